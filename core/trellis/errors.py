@@ -1,0 +1,44 @@
+"""Exceptions raised by Trellis.
+
+Every error says what was wrong, with the offending value, and what to do about it.
+All of them derive from :class:`TrellisError`, so ``except TrellisError`` catches any of them.
+"""
+
+from __future__ import annotations
+
+
+class TrellisError(Exception):
+    """Base class of every error Trellis raises on purpose."""
+
+
+class UnknownComponentError(TrellisError, LookupError):
+    """A name was asked of a registry that has nothing under it.
+
+    The message lists the available names and the closest match.
+    """
+
+    def __init__(self, message: str, *, name: str, available: list[str], closest: str | None):
+        super().__init__(message)
+        self.name = name
+        self.available = available
+        self.closest = closest
+
+
+class PluginLoadError(TrellisError, ImportError):
+    """An entry point (or a reference) could not be imported.
+
+    Raised only when the broken name is requested; other names keep working.
+    The original exception is chained as ``__cause__``.
+    """
+
+
+class DuplicateComponentError(TrellisError):
+    """Two providers claim one name in one registry."""
+
+
+class ProtocolMismatchError(TrellisError, TypeError):
+    """A loaded component does not fit the protocol of its registry."""
+
+
+class InvalidReferenceError(TrellisError, ValueError):
+    """A ``package.module:attr`` or ``path/to/file.py:attr`` reference is malformed or dangling."""

@@ -1,0 +1,62 @@
+"""Developer sessions. Each one builds its own environment, so a fresh machine needs only nox.
+
+    nox -s demo         the laptop demo
+    nox -s lint tests   what CI runs
+    nox -s bench        the benchmark scripts (figures and ratios, never pass/fail)
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# torch must share a pip line with everything else: the pinned CPU build is served locally,
+# while an unpinned resolve would pull a multi-GB CUDA build.
+TORCH = "torch==2.13.0"
+FIXTURES = ["tests/fixtures/good", "tests/fixtures/broken"]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def _install_core(session: nox.Session, *extra: str) -> None:
+    # --force-reinstall of the local packages only: a reused env must test the current sources.
+    session.install(TORCH, ".[ray,test]", *extra)
+    session.install("--no-deps", "--force-reinstall", ".", *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The default test suite (core + fixture plugins installed like real ones)."""
+    _install_core(session, *FIXTURES)
+    session.run("pytest", *(session.posargs or ["tests"]), env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: each script prints its figures next to a baseline measured in the same run."""
+    _install_core(session)
+    scripts = session.posargs or sorted(
+        os.path.join("benchmarks", f) for f in os.listdir("benchmarks") if f.endswith(".py")
+    )
+    for script in scripts:
+        session.run("python", script, env=OFFLINE)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The demo: for now, what Trellis finds installed on this machine."""
+    _install_core(session)
+    session.run("trellis", "--version")
+    session.run("trellis", "doctor", env=OFFLINE)
+    session.run("trellis", "plugins", "list")
