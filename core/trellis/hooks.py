@@ -82,8 +82,10 @@ class HookLoadError:
         self.error = error
 
     def __str__(self) -> str:
-        return (f"hook module '{self.entry_point}' from distribution '{self.distribution}' failed to "
-                f"load: {type(self.error).__name__}: {self.error}")
+        return (
+            f"hook module '{self.entry_point}' from distribution '{self.distribution}' failed to "
+            f"load: {type(self.error).__name__}: {self.error}"
+        )
 
 
 class TrellisPluginManager(pluggy.PluginManager):

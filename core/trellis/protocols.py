@@ -37,8 +37,10 @@ class CallableProtocol:
         try:
             sig.bind(*self.positional, **dict.fromkeys(self.keywords))
         except TypeError as exc:
-            return [f"its signature {obj.__name__ if hasattr(obj, '__name__') else 'fn'}{sig} "
-                    f"cannot be called that way ({exc})"]
+            return [
+                f"its signature {obj.__name__ if hasattr(obj, '__name__') else 'fn'}{sig} "
+                f"cannot be called that way ({exc})"
+            ]
         return []
 
 
@@ -70,8 +72,11 @@ class ClassProtocol:
                 found.append(f"method '{name}' is missing")
             elif not callable(member):
                 found.append(f"'{name}' is not a method")
-            elif name in self.async_methods and not inspect.iscoroutinefunction(member) \
-                    and not inspect.isasyncgenfunction(member):
+            elif (
+                name in self.async_methods
+                and not inspect.iscoroutinefunction(member)
+                and not inspect.isasyncgenfunction(member)
+            ):
                 found.append(f"method '{name}' must be 'async def'")
         for name in self.attributes:
             if _defined_member(obj, name) is _MISSING and name not in _annotations(obj):

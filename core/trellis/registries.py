@@ -29,8 +29,9 @@ rollout_replicas: Registry[type] = Registry(
 agent_loops: Registry[type] = Registry(
     "agent loop",
     "trellis.agent_loops",
-    ClassProtocol("an AgentLoop class with 'async def run(self, sampling_params, **sample)'",
-                  async_methods=("run",)),
+    ClassProtocol(
+        "an AgentLoop class with 'async def run(self, sampling_params, **sample)'", async_methods=("run",)
+    ),
 )
 tools: Registry[type] = Registry(
     "tool",
@@ -52,8 +53,9 @@ reward_functions: Registry[Callable[..., Any]] = Registry(
 reward_managers: Registry[type] = Registry(
     "reward manager",
     "trellis.reward_managers",
-    ClassProtocol("a reward-manager class whose instances are called with a DataProto",
-                  methods=("__call__",)),
+    ClassProtocol(
+        "a reward-manager class whose instances are called with a DataProto", methods=("__call__",)
+    ),
 )
 advantage_estimators: Registry[Callable[..., Any]] = Registry(
     "advantage estimator",
@@ -81,8 +83,14 @@ device_backends: Registry[type] = Registry(
     ClassProtocol(
         "a DeviceBackend class with name, priority, communication_backend, is_available(), "
         "device_count(), current_device(), set_device(i), synchronize(), empty_cache()",
-        methods=("is_available", "device_count", "current_device", "set_device", "synchronize",
-                 "empty_cache"),
+        methods=(
+            "is_available",
+            "device_count",
+            "current_device",
+            "set_device",
+            "synchronize",
+            "empty_cache",
+        ),
         attributes=("name", "priority", "communication_backend"),
     ),
 )
@@ -102,8 +110,16 @@ training_engines: Registry[type] = Registry(
     ClassProtocol(
         "a TrainingEngine class with forward, forward_backward, optimizer_step, zero_grad, to, "
         "state_dict, load_state_dict and iter_full_params",
-        methods=("forward", "forward_backward", "optimizer_step", "zero_grad", "to", "state_dict",
-                 "load_state_dict", "iter_full_params"),
+        methods=(
+            "forward",
+            "forward_backward",
+            "optimizer_step",
+            "zero_grad",
+            "to",
+            "state_dict",
+            "load_state_dict",
+            "iter_full_params",
+        ),
     ),
 )
 trackers: Registry[type] = Registry(
@@ -143,8 +159,7 @@ def get_registry(name_or_group: str) -> Registry[Any]:
 
     closest = difflib.get_close_matches(short, list(ALL), n=1, cutoff=0.0)
     raise UnknownComponentError(
-        f"Unknown registry {name_or_group!r}. Registries: {', '.join(ALL)}. "
-        f"Closest match: {closest[0]!r}.",
+        f"Unknown registry {name_or_group!r}. Registries: {', '.join(ALL)}. Closest match: {closest[0]!r}.",
         name=name_or_group,
         available=list(ALL),
         closest=closest[0],

@@ -331,4 +331,3 @@ def _target_of(obj: Any) -> str:
     module = getattr(obj, "__module__", None) or "?"
     qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
     return f"{module}:{qualname}"
-

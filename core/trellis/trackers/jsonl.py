@@ -23,8 +23,14 @@ class JsonlTracker(Tracker):
         filename: name of the file inside ``run_dir`` (default ``metrics.jsonl``).
     """
 
-    def __init__(self, run_dir: str, config: dict[str, Any] | None = None, *,
-                 filename: str = "metrics.jsonl", **options: Any):
+    def __init__(
+        self,
+        run_dir: str,
+        config: dict[str, Any] | None = None,
+        *,
+        filename: str = "metrics.jsonl",
+        **options: Any,
+    ):
         super().__init__(run_dir, config)
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, filename)
@@ -52,13 +58,17 @@ def _jsonable(key: Any, value: Any) -> Any:
         try:
             value = value.item()
         except (ValueError, RuntimeError) as exc:
-            raise TypeError(f"Metric {key!r} is not a scalar (got shape {getattr(value, 'shape', '?')}); "
-                            "log one number per metric.") from exc
+            raise TypeError(
+                f"Metric {key!r} is not a scalar (got shape {getattr(value, 'shape', '?')}); "
+                "log one number per metric."
+            ) from exc
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
-    raise TypeError(f"Metric {key!r} has value {value!r} of type {type(value).__name__}; "
-                    "log numbers, strings, bools or None.")
+    raise TypeError(
+        f"Metric {key!r} has value {value!r} of type {type(value).__name__}; "
+        "log numbers, strings, bools or None."
+    )

@@ -1,0 +1,54 @@
+"""Shared test setup: one torch thread, the fixture plugins present, subprocess helpers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+FIXTURE_DISTRIBUTIONS = ("trellis-fixture-good", "trellis-fixture-broken")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        torch.set_num_threads(1)  # two shared cores: oversubscription is ~50x slower
+    missing = []
+    for dist in FIXTURE_DISTRIBUTIONS:
+        try:
+            metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            missing.append(dist)
+    if missing:
+        raise pytest.UsageError(
+            f"The fixture plugins {missing} are not installed. Run the suite with `nox -s tests`, "
+            "or `pip install tests/fixtures/good tests/fixtures/broken` first."
+        )
+
+
+def run_python(
+    code: str, *, env: dict[str, str] | None = None, cwd: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter of this environment; returns the finished process."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+@pytest.fixture
+def python():
+    """``python(code, env=None)`` runs code in a fresh interpreter and returns the process."""
+    return run_python

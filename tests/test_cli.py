@@ -1,0 +1,149 @@
+"""The ``trellis`` command: --version, plugins list/check, doctor; and cheap imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trellis import __version__
+from trellis.cli import main
+
+TRELLIS = os.path.join(os.path.dirname(sys.executable), "trellis")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([TRELLIS, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_version_from_the_console_script():
+    done = run_cli("--version")
+    assert (done.returncode, done.stdout) == (0, f"trellis {__version__}\n")
+
+
+def test_plugins_list_plain_when_piped():
+    done = run_cli("plugins", "list")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("Trellis components (")
+    assert lines[1].split() == ["group", "name", "provider", "version", "target"]
+    rows = [line.split() for line in lines[2:]]
+    assert [
+        "trellis.advantage_estimators",
+        "fixture_returns",
+        "trellis-fixture-good",
+        "0.1.0",
+        "trellis_fixture_good.adv:reward_to_go",
+    ] in rows
+    assert [
+        "trellis.hooks",
+        "fixture_good",
+        "trellis-fixture-good",
+        "0.1.0",
+        "trellis_fixture_good.hooks",
+    ] in rows
+    assert [
+        "trellis.trackers",
+        "jsonl",
+        "trellis-rl",
+        __version__,
+        "trellis.trackers.jsonl:JsonlTracker",
+    ] in rows
+    assert not any(ch in done.stdout for ch in "┃━│")  # no box drawing when piped
+    assert int(lines[0].split("(")[1].rstrip(")")) == len(rows)
+
+
+def test_plugins_list_json_and_group_filter(capsys):
+    assert main(["plugins", "list", "--json", "--group", "reward_functions"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["group"], r["name"], r["provider"], r["version"]) for r in rows} == {
+        ("trellis.reward_functions", "fixture_exact", "trellis-fixture-broken", "0.2.0"),
+        ("trellis.reward_functions", "fixture_exact", "trellis-fixture-good", "0.1.0"),
+    }
+    assert set(rows[0]) == {"name", "group", "provider", "version", "target", "loaded"}
+
+    assert main(["plugins", "list", "--json", "--group", "trellis.hooks"]) == 0
+    hooks = json.loads(capsys.readouterr().out)
+    assert sorted(r["name"] for r in hooks) == ["fixture_broken", "fixture_good"]
+
+
+def test_plugins_list_unknown_group_is_a_clear_error(capsys):
+    assert main(["plugins", "list", "--group", "reward_function"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trellis: error: Unknown registry 'reward_function'.")
+    assert "Closest match: 'reward_functions'." in err
+
+
+def test_plugins_check_reports_every_failure_without_stopping():
+    done = run_cli("plugins", "check")
+    assert done.returncode == 1
+    status = {tuple(line.split()[:3]) for line in done.stdout.splitlines()[2:-1]}
+    assert {
+        ("ok", "trellis.advantage_estimators", "fixture_returns"),
+        ("ok", "trellis.trackers", "jsonl"),
+        ("ok", "trellis.hooks", "fixture_good"),
+        ("FAIL", "trellis.advantage_estimators", "fixture_broken"),
+        ("FAIL", "trellis.advantage_estimators", "fixture_misfit"),
+        ("FAIL", "trellis.reward_functions", "fixture_exact"),
+        ("FAIL", "trellis.tools", "fixture_halftool"),
+        ("FAIL", "trellis.hooks", "fixture_broken"),
+    } <= status
+    assert "PluginLoadError: Advantage estimator 'fixture_broken' could not be loaded" in done.stdout
+    assert "DuplicateComponentError: Reward function 'fixture_exact' is provided by more" in done.stdout
+    failed = sum(1 for s in status if s[0] == "FAIL")
+    assert done.stdout.splitlines()[-1] == f"{len(status) - failed} ok, {failed} failed"
+    assert "Traceback" not in done.stderr
+
+
+def test_plugins_check_json(capsys):
+    assert main(["plugins", "check", "--json"]) == 1
+    results = {(r["group"], r["name"]): r for r in json.loads(capsys.readouterr().out)}
+    assert results["trellis.trackers", "jsonl"] == {
+        "group": "trellis.trackers",
+        "name": "jsonl",
+        "ok": True,
+        "detail": "trellis.trackers.jsonl:JsonlTracker",
+    }
+    assert results["trellis.hooks", "fixture_broken"]["ok"] is False
+
+
+def test_doctor_reports_versions_backends_and_plugin_health():
+    done = run_cli("doctor")
+    assert done.returncode == 1  # the broken fixture plugin is installed in the test environment
+    out = done.stdout
+    import torch
+    import transformers
+
+    assert f"torch         {torch.__version__}" in out
+    assert f"transformers  {transformers.__version__}" in out
+    assert f"trellis-rl    {__version__}" in out
+    assert "Device backends" in out
+    assert f"torch {torch.__version__}: cuda available: {torch.cuda.is_available()}" in out
+    assert "FAIL trellis.advantage_estimators fixture_broken: PluginLoadError" in out
+    assert "Run 'trellis plugins check' for the full report." in out
+
+
+def test_no_command_prints_help():
+    done = run_cli()
+    assert done.returncode == 0
+    assert "usage: trellis" in done.stdout and "plugins" in done.stdout and "doctor" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import trellis",
+        "import trellis; trellis.registries.tools.names(); trellis.get_plugin_manager",
+        "from trellis.cli import main; main(['plugins', 'list']); main(['plugins', 'list', '--json'])",
+    ],
+)
+def test_import_and_listing_do_not_import_torch(python, code):
+    done = python(
+        f"{code}\nimport sys\nprint('HEAVY', sorted(m for m in ('torch', 'transformers', "
+        f"'numpy', 'tensordict', 'ray') if m in sys.modules))"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "HEAVY []"
