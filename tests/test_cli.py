@@ -147,3 +147,40 @@ def test_import_and_listing_do_not_import_torch(python, code):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "HEAVY []"
+
+
+def test_rich_table_on_a_terminal(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["plugins", "list", "--group", "trackers"]) == 0
+    out = capsys.readouterr().out
+    assert "━" in out and "│" in out  # rich box drawing
+    assert "jsonl" in out and "trellis.trackers.jsonl:JsonlTracker" in out
+
+
+def test_doctor_asks_each_device_backend_whether_it_is_available(capsys):
+    from trellis.registries import device_backends
+
+    def backend(name, available, priority):
+        def is_available(self):
+            if isinstance(available, Exception):
+                raise available
+            return available
+
+        methods = ("device_count", "current_device", "set_device", "synchronize", "empty_cache")
+        body = {m: lambda self, *a: None for m in methods}
+        body.update(name=name, priority=priority, communication_backend="gloo", is_available=is_available)
+        return type(f"Fake{name}", (), body)
+
+    device_backends.register("fake_yes", backend("fake_yes", True, 7))
+    device_backends.register("fake_no", backend("fake_no", False, 3))
+    device_backends.register("fake_err", backend("fake_err", RuntimeError("driver 550 too old"), 1))
+    try:
+        main(["doctor"])
+    finally:
+        for name in ("fake_yes", "fake_no", "fake_err"):
+            device_backends.unregister(name)
+    rows = [line.split(None, 2) for line in capsys.readouterr().out.splitlines()]
+    assert ["fake_yes", "yes", "7"] in rows
+    assert ["fake_no", "no", "3"] in rows
+    assert ["fake_err", "error:", "RuntimeError: driver 550 too old"] in rows
