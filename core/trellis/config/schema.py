@@ -1,0 +1,728 @@
+# ruff: noqa: RUF009 - knob() and section() return dataclasses.field(...) objects, as field() does
+"""The configuration of a Trellis run: one dataclass per section, every knob documented.
+
+``TrellisConfig`` is the whole tree (``data``, ``model``, ``actor``, ``critic``, ``ref``,
+``rollout``, ``reward``, ``algorithm``, ``trainer``). Section and field names are a contract
+the subsystems build on. Each field's doc says what it is, its unit and why its default;
+``defaults/trellis.yaml`` is generated from these docs and defaults (see ``render.py``).
+
+A ``null`` default that means "derive it" (``rollout.max_tokens``, ``ref.enable``, ...) is
+filled when the config is built, so code reading a built config sees the value in effect.
+Names that select a component (``actor.engine``, ``rollout.name``, ``reward.manager``, ...)
+are registry names or references; they are looked up when the run is built, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trellis.config.base import BaseConfig, ConfigValueError, knob, section
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "full"]
+
+ESTIMATORS_WITH_CRITIC = ("gae",)
+"""Advantage estimators that need a value model: ``critic.enable: null`` turns the critic on for these."""
+
+GROUP_ESTIMATORS = ("grpo", "rloo")
+"""Advantage estimators that compare the responses to one prompt, so they need ``rollout.n >= 2``."""
+
+
+# ---------------------------------------------------------------- data and model
+
+
+@dataclass
+class DataConfig(BaseConfig):
+    """Where prompts come from and how long prompts and responses may be."""
+
+    train_files: list[str] = knob(
+        [], "Training data: parquet or jsonl files, as local paths or fsspec URLs. No default data set."
+    )
+    val_files: list[str] = knob(
+        [], "Validation data, in the same forms as train_files. Empty = no validation."
+    )
+    prompt_key: str = knob("prompt", "Column holding each prompt: a list of chat messages, or a string.")
+    reward_fn_key: str = knob(
+        "data_source",
+        "Column naming each sample's source; with reward.function null, it picks the scoring function.",
+    )
+    max_prompt_length: int = knob(
+        512, "Longest prompt, in tokens after the chat template. 512 fits math word problems.", ge=1
+    )
+    max_response_length: int = knob(
+        512,
+        "Longest response in tokens, all turns of an agent loop together. 512 fits short reasoning chains.",
+        ge=1,
+    )
+    train_batch_size: int = knob(
+        32,
+        "Prompts per training step; each is sampled rollout.n times. 32 keeps a CPU step short; "
+        "GPU recipes use 256-1024.",
+        ge=1,
+    )
+    val_batch_size: int | None = knob(
+        None, "Prompts per validation batch. null = the whole validation set as one batch.", ge=1
+    )
+    filter_overlong_prompts: bool = knob(
+        False,
+        "Drop prompts longer than max_prompt_length when the data loads (instead of applying truncation). "
+        "Off: it shrinks the data set silently.",
+    )
+    truncation: Literal["error", "left", "right"] = knob(
+        "error",
+        "A prompt longer than max_prompt_length: error (an overlong prompt is usually a data bug), "
+        "left (keep its last tokens) or right (keep its first tokens).",
+    )
+    shuffle: bool = knob(
+        True, "Shuffle the training set every epoch; on, since neighbouring rows often correlate."
+    )
+    seed: int | None = knob(None, "Seed of the shuffle. null = trainer.seed.")
+    return_raw_chat: bool = knob(
+        False,
+        "Also keep each prompt's chat messages untokenized in the batch, for agent loops that apply the "
+        "chat template themselves. Off to keep batches small.",
+    )
+    chat_template_kwargs: dict[str, Any] = knob(
+        {}, "Extra keyword arguments of tokenizer.apply_chat_template, e.g. {enable_thinking: false}."
+    )
+    dataloader_num_workers: int = knob(
+        0,
+        "Data-loader worker processes. 0 = load in the training process: starts fastest, enough for text.",
+        ge=0,
+    )
+
+
+@dataclass
+class ModelConfig(BaseConfig):
+    """The policy model: its weights, tokenizer and how its forward pass runs."""
+
+    path: str | None = knob(
+        None,
+        "Policy model: a Hugging Face hub id or a local folder. Required to train; no default, so "
+        "nothing downloads unless you name a model.",
+    )
+    tokenizer_path: str | None = knob(None, "Tokenizer, in the same forms as path. null = model.path.")
+    trust_remote_code: bool = knob(
+        False,
+        "Allow model and tokenizer code from the hub repository to run. Off: it executes downloaded code.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = knob(
+        "bfloat16",
+        "Compute dtype of forward and backward passes (mixed precision). bfloat16 halves activation "
+        "memory without float16's overflow.",
+    )
+    attn_implementation: str = knob(
+        "sdpa",
+        "Attention kernel, as transformers names it (eager, sdpa, flash_attention_2, ...). sdpa runs on "
+        "every device with nothing extra installed.",
+    )
+    gradient_checkpointing: bool = knob(
+        False,
+        "Recompute activations during backward to save memory (about a third more compute). Off: small "
+        "models fit without it.",
+    )
+    use_remove_padding: bool = knob(
+        True,
+        "Pack sequences without pad tokens in forward passes where the model allows it; RL batches of "
+        "uneven length otherwise spend much of their compute on padding.",
+    )
+    override_config: dict[str, Any] = knob(
+        {}, "Entries that override the model's Hugging Face config, e.g. {attention_dropout: 0.0}."
+    )
+
+
+# ---------------------------------------------------------------- training roles
+
+
+@dataclass
+class OptimConfig(BaseConfig):
+    """Optimizer and learning-rate schedule of one trained model."""
+
+    name: str = knob("adamw", "Optimizer. AdamW is what published RL-for-LLM recipes use.")
+    lr: float = knob(
+        1e-6, "Peak learning rate. 1e-6 is the usual stable value for full fine-tuning of a policy.", gt=0
+    )
+    betas: list[float] = knob(
+        [0.9, 0.999],
+        "Adam's [beta1, beta2]: decay rates of the gradient mean and variance; PyTorch's defaults.",
+    )
+    weight_decay: float = knob(
+        0.01, "AdamW's decoupled weight decay; 0.01 is the usual light regularisation.", ge=0
+    )
+    lr_warmup_steps_ratio: float = knob(
+        0.0,
+        "Linear warm-up from 0 to lr over this fraction of the training steps. 0: RL starts from a "
+        "trained model, which needs no warm-up.",
+        ge=0,
+        le=1,
+    )
+    lr_warmup_steps: int | None = knob(
+        None, "Warm-up length in steps; when set, it replaces lr_warmup_steps_ratio.", ge=0
+    )
+    lr_scheduler: Literal["constant", "cosine"] = knob(
+        "constant",
+        "Learning rate after warm-up: constant, or cosine decay to min_lr_ratio × lr at the last step. "
+        "Constant is the usual RL choice.",
+    )
+    min_lr_ratio: float = knob(
+        0.0, "Final learning rate of the cosine schedule, as a fraction of lr.", ge=0, le=1
+    )
+
+    def finalize(self) -> None:
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigValueError("betas", self.betas, "must be two numbers in [0, 1), [beta1, beta2]")
+
+
+@dataclass
+class OffloadConfig(BaseConfig):
+    """What a model keeps in host memory between uses, trading transfer time for device memory."""
+
+    param: bool = knob(False, "Keep parameters in host memory while the model is not computing.")
+    optimizer: bool = knob(False, "Keep optimizer state in host memory between optimizer steps.")
+
+
+@dataclass
+class ActorConfig(BaseConfig):
+    """The trained policy: its engine, batching and PPO objective.
+
+    Batch units: ``ppo_mini_batch_size`` counts prompts (a mini-batch holds
+    ``ppo_mini_batch_size × rollout.n`` responses); micro-batch sizes count responses.
+    """
+
+    engine: str = knob(
+        "single",
+        "Training engine, a name in trellis.training_engines: single (one process) or fsdp (FSDP2 over "
+        "torch.distributed). single runs anywhere.",
+    )
+    ppo_mini_batch_size: int = knob(
+        8,
+        "Prompts per optimizer step (× rollout.n responses). 8 of 32 prompts gives 4 updates per step.",
+        ge=1,
+    )
+    ppo_micro_batch_size_per_device: int = knob(
+        4,
+        "Responses per forward/backward pass on one device; gradients accumulate over the mini-batch. "
+        "Bounds activation memory; unused with use_dynamic_bsz.",
+        ge=1,
+    )
+    use_dynamic_bsz: bool = knob(
+        False,
+        "Form micro-batches by token count (max_token_len_per_micro_batch) instead of response count; "
+        "faster when lengths vary.",
+    )
+    max_token_len_per_micro_batch: int = knob(
+        16384,
+        "With use_dynamic_bsz: tokens (prompt + response) per micro-batch on one device. Must hold one "
+        "full-length sample.",
+        ge=1,
+    )
+    ppo_epochs: int = knob(1, "Passes over each step's responses. 1 keeps every update on-policy.", ge=1)
+    clip_ratio: float = knob(
+        0.2, "PPO clip ε: the probability ratio is clipped to [1 - ε, 1 + ε]. 0.2 as in the PPO paper.", gt=0
+    )
+    clip_ratio_low: float | None = knob(
+        None, "Lower clip ε_low (ratio >= 1 - ε_low). null = clip_ratio.", gt=0
+    )
+    clip_ratio_high: float | None = knob(
+        None,
+        "Upper clip ε_high (ratio <= 1 + ε_high). null = clip_ratio; DAPO's clip-higher uses 0.28.",
+        gt=0,
+    )
+    clip_ratio_c: float = knob(
+        3.0,
+        "Dual-clip bound c: for negative advantages the loss is capped at c × |A|. Must exceed 1; 3 as in "
+        "the dual-clip paper.",
+        gt=1,
+    )
+    loss_agg_mode: LossAggMode = knob(
+        "token-mean",
+        "How per-token losses become one number: token-mean (over all tokens of the mini-batch; no "
+        "length bias), seq-mean-token-sum, seq-mean-token-mean, or seq-mean-token-sum-norm (sums divided "
+        "by max_response_length, as in Dr. GRPO).",
+    )
+    policy_loss: str = knob(
+        "vanilla", "Policy loss, a name in trellis.policy_losses or a reference. vanilla is clipped PPO."
+    )
+    entropy_coeff: float = knob(
+        0.0, "Weight of the entropy bonus. 0: an entropy bonus tends to destabilise LLM training.", ge=0
+    )
+    use_kl_loss: bool = knob(
+        False, "Add a KL(actor || reference) term to the loss, as GRPO does. Needs the reference model."
+    )
+    kl_loss_coef: float = knob(0.001, "Weight of the KL loss; 0.001 as in the GRPO paper.", ge=0)
+    kl_loss_type: KLEstimator = knob(
+        "low_var_kl",
+        "Estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3: low variance, never negative) "
+        "or full.",
+    )
+    grad_clip: float = knob(1.0, "Clip the global gradient norm to this before each optimizer step.", gt=0)
+    shuffle: bool = knob(False, "Shuffle a step's responses before splitting them into mini-batches.")
+    optim: OptimConfig = section(OptimConfig, "Optimizer and learning-rate schedule of the actor.")
+    offload: OffloadConfig = section(OffloadConfig, "Host-memory offload of the actor.")
+
+    def finalize(self) -> None:
+        if self.clip_ratio_low is None:
+            self.clip_ratio_low = self.clip_ratio
+        if self.clip_ratio_high is None:
+            self.clip_ratio_high = self.clip_ratio
+
+
+@dataclass
+class CriticConfig(BaseConfig):
+    """The value model, trained alongside the actor when the advantage estimator needs values."""
+
+    enable: bool | None = knob(
+        None, "Train a value model. null = on exactly when algorithm.adv_estimator needs one (gae)."
+    )
+    engine: str = knob("single", "Training engine, a name in trellis.training_engines (see actor.engine).")
+    model_path: str | None = knob(
+        None, "Initial weights (hub id or folder) under the value head. null = model.path."
+    )
+    ppo_mini_batch_size: int | None = knob(
+        None,
+        "Prompts per critic optimizer step (× rollout.n responses). null = actor.ppo_mini_batch_size.",
+        ge=1,
+    )
+    ppo_micro_batch_size_per_device: int = knob(
+        4, "Responses per forward/backward pass on one device; unused with use_dynamic_bsz.", ge=1
+    )
+    use_dynamic_bsz: bool = knob(False, "Form micro-batches by token count instead of response count.")
+    max_token_len_per_micro_batch: int = knob(
+        32768,
+        "With use_dynamic_bsz: tokens per micro-batch on one device. Twice the actor's: a value head "
+        "keeps no vocabulary-sized logits.",
+        ge=1,
+    )
+    ppo_epochs: int | None = knob(None, "Passes over each step's responses. null = actor.ppo_epochs.", ge=1)
+    cliprange_value: float = knob(
+        0.5, "New values are clipped to within this of the old ones in the value loss; 0.5 is common.", gt=0
+    )
+    loss_agg_mode: LossAggMode = knob(
+        "token-mean", "How per-token value losses become one number (see actor)."
+    )
+    grad_clip: float = knob(1.0, "Clip the global gradient norm to this before each optimizer step.", gt=0)
+    shuffle: bool = knob(False, "Shuffle a step's responses before splitting them into mini-batches.")
+    optim: OptimConfig = section(
+        OptimConfig,
+        "Optimizer of the critic; its lr is 1e-5, since a fresh value head must learn fast.",
+        lr=1e-5,
+    )
+    offload: OffloadConfig = section(OffloadConfig, "Host-memory offload of the critic.")
+
+
+@dataclass
+class RefConfig(BaseConfig):
+    """The frozen reference policy (the initial model), used by KL terms."""
+
+    enable: bool | None = knob(
+        None,
+        "Compute reference log-probs. null = on exactly when a KL term needs them "
+        "(actor.use_kl_loss or algorithm.use_kl_in_reward).",
+    )
+    engine: str = knob("single", "Training engine that runs its forward passes (see actor.engine).")
+    log_prob_micro_batch_size_per_device: int = knob(
+        4, "Responses per reference forward pass on one device.", ge=1
+    )
+    offload: OffloadConfig = section(
+        OffloadConfig, "Host-memory offload of the reference (optimizer: unused)."
+    )
+
+
+# ---------------------------------------------------------------- rollout
+
+
+@dataclass
+class ValidationSamplingConfig(BaseConfig):
+    """Sampling for validation: greedy by default, so scores are comparable between runs."""
+
+    n: int = knob(1, "Responses per validation prompt.", ge=1)
+    temperature: float = knob(0.0, "Sampling temperature; 0 with do_sample false = greedy.", ge=0)
+    top_p: float = knob(1.0, "Nucleus sampling mass; 1.0 = off.", gt=0, le=1)
+    top_k: int = knob(-1, "Sample among the k most likely tokens; -1 = off.", ge=-1)
+    do_sample: bool = knob(False, "Sample (true) or decode greedily (false).")
+
+    def finalize(self) -> None:
+        _check_sampling(self)
+
+
+@dataclass
+class AgentConfig(BaseConfig):
+    """Agent loops: how a prompt becomes a (possibly multi-turn, tool-using) response."""
+
+    default_agent_loop: str = knob(
+        "single_turn",
+        "Agent loop of samples whose data names none, a name in trellis.agent_loops. single_turn "
+        "generates one response.",
+    )
+    num_workers: int = knob(
+        1, "Agent-loop workers; each drives many loops concurrently. 1 is enough for one replica.", ge=1
+    )
+    max_turns: int | None = knob(
+        None, "Most assistant turns per sample. null = bounded only by rollout.max_tokens.", ge=1
+    )
+    tool_config_path: str | None = knob(None, "YAML file of the tools agent loops may call. null = no tools.")
+    tool_parser: str = knob(
+        "hermes",
+        "Format of tool calls in model output. hermes is the <tool_call> JSON format of Qwen and Hermes "
+        "models.",
+    )
+
+
+@dataclass
+class CheckpointEngineConfig(BaseConfig):
+    """How actor weights reach the rollout replicas after each step."""
+
+    name: str = knob(
+        "naive",
+        "Checkpoint engine, a name in trellis.checkpoint_engines. naive hands tensors over in-process.",
+    )
+    update_weights_bucket_megabytes: int = knob(
+        512, "Weights travel in buckets of this many MiB: larger = fewer transfers, more peak memory.", ge=1
+    )
+
+
+@dataclass
+class RolloutConfig(BaseConfig):
+    """Response generation: the replica backend, where it runs and how it samples."""
+
+    name: str = knob(
+        "hf",
+        "Rollout replica, a name in trellis.rollout_replicas: hf (transformers generate; runs anywhere) or "
+        "a plugin's (vllm, sglang).",
+    )
+    mode: Literal["hybrid", "colocated", "standalone"] = knob(
+        "hybrid",
+        "Where replicas run: hybrid (inside the training workers, taking turns on their devices), "
+        "colocated (own processes, same devices) or standalone (own devices). hybrid needs no extra devices.",
+    )
+    n: int = knob(
+        4,
+        "Responses sampled per prompt. Group estimators (grpo) need at least 2; 4 is a small useful group.",
+        ge=1,
+    )
+    temperature: float = knob(
+        1.0, "Sampling temperature. 1.0 samples the policy itself, which on-policy RL assumes.", ge=0
+    )
+    top_p: float = knob(1.0, "Nucleus sampling mass; 1.0 = off, keeping samples on-policy.", gt=0, le=1)
+    top_k: int = knob(
+        -1, "Sample among the k most likely tokens; -1 = off, keeping samples on-policy.", ge=-1
+    )
+    max_tokens: int | None = knob(
+        None, "Most tokens generated per response. null = data.max_response_length.", ge=1
+    )
+    do_sample: bool = knob(
+        True, "Sample (true) or decode greedily (false). Training needs sampling to explore."
+    )
+    seed: int | None = knob(None, "Seed of sampling. null = trainer.seed.")
+    tensor_parallel_size: int = knob(
+        1, "Devices one replica shards its model over (backends that support it).", ge=1
+    )
+    gpu_memory_utilization: float = knob(
+        0.5,
+        "Fraction of device memory a replica may take for weights and KV cache (vllm, sglang). 0.5 leaves "
+        "room for training in hybrid mode.",
+        gt=0,
+        le=1,
+    )
+    free_cache_engine: bool = knob(
+        True, "Release the KV cache while training runs (hybrid mode), giving its memory to training."
+    )
+    calculate_log_probs: bool = knob(
+        False,
+        "Return each sampled token's log-prob under the replica; algorithm.rollout_correction needs them.",
+    )
+    val_kwargs: ValidationSamplingConfig = section(ValidationSamplingConfig, "Sampling during validation.")
+    agent: AgentConfig = section(AgentConfig, "Agent loops and tools.")
+    engine_kwargs: dict[str, Any] = knob(
+        {}, "Backend options passed unchanged to the replica, e.g. {enforce_eager: true} for vllm."
+    )
+    checkpoint_engine: CheckpointEngineConfig = section(
+        CheckpointEngineConfig, "Weight transfer to the replicas."
+    )
+
+    def finalize(self) -> None:
+        _check_sampling(self)
+
+
+def _check_sampling(cfg: RolloutConfig | ValidationSamplingConfig) -> None:
+    if cfg.top_k == 0:
+        raise ConfigValueError("top_k", 0, "must be -1 (off) or a positive integer")
+    if cfg.do_sample and cfg.temperature == 0:
+        raise ConfigValueError(
+            "temperature",
+            0.0,
+            "must be > 0 when {p}do_sample is true",
+            hint=" For greedy decoding set do_sample=false.",
+        )
+
+
+# ---------------------------------------------------------------- reward and algorithm
+
+
+@dataclass
+class RewardConfig(BaseConfig):
+    """How responses are scored."""
+
+    manager: str = knob(
+        "naive",
+        "Reward manager, a name in trellis.reward_managers. naive scores each response once and puts "
+        "the score on its last token.",
+    )
+    function: str | None = knob(
+        None,
+        "Scoring function: a name in trellis.reward_functions, 'package.module:fn' or './file.py:fn'. "
+        "null = chosen per sample by its data.reward_fn_key column.",
+    )
+    function_kwargs: dict[str, Any] = knob({}, "Extra keyword arguments passed to the scoring function.")
+    timeout_seconds: float | None = knob(
+        60.0, "Longest one score may take, in seconds. null = no limit. 60 allows sandboxed code runs.", gt=0
+    )
+    num_workers: int = knob(1, "Processes scoring in parallel. 1 = score in the driver process.", ge=1)
+
+
+@dataclass
+class KLControlConfig(BaseConfig):
+    """Coefficient of the in-reward KL penalty (algorithm.use_kl_in_reward)."""
+
+    type: Literal["fixed", "adaptive"] = knob(
+        "fixed", "fixed keeps kl_coef; adaptive steers it toward target_kl (Ziegler et al., 2019)."
+    )
+    kl_coef: float = knob(0.001, "Weight of the KL penalty (adaptive: its initial value).", ge=0)
+    target_kl: float = knob(0.1, "adaptive: the KL per response the controller aims at, in nats.", gt=0)
+    horizon: int = knob(
+        10000, "adaptive: responses over which the coefficient adapts; larger = slower.", ge=1
+    )
+
+
+@dataclass
+class RolloutCorrectionConfig(BaseConfig):
+    """Importance weights w = π_train / π_rollout that correct for the rollout backend's numerics
+    differing from the trainer's. Needs ``rollout.calculate_log_probs``."""
+
+    mode: Literal["none", "token", "sequence"] = knob(
+        "none", "Weight per token, per response (product over its tokens), or none = no correction."
+    )
+    clip_max: float = knob(
+        2.0, "Weights above this are truncated to it (truncated importance sampling); bounds variance.", ge=1
+    )
+    mask_threshold: float | None = knob(
+        None,
+        "Tokens (token mode) or responses (sequence mode) whose weight exceeds this leave the loss. "
+        "null = never. At least clip_max.",
+        gt=0,
+    )
+
+    def finalize(self) -> None:
+        if self.mask_threshold is not None and self.mask_threshold < self.clip_max:
+            raise ConfigValueError(
+                "mask_threshold", self.mask_threshold, f"must be >= {{p}}clip_max ({self.clip_max}) or null"
+            )
+
+
+@dataclass
+class AlgorithmConfig(BaseConfig):
+    """Advantages and the in-reward KL penalty."""
+
+    adv_estimator: str = knob(
+        "grpo",
+        "Advantage estimator, a name in trellis.advantage_estimators: grpo (rewards normalised within "
+        "each prompt's group; no critic), gae (needs a critic), or a plugin's.",
+    )
+    gamma: float = knob(1.0, "Discount per token. 1.0: the reward arrives once, at the end.", ge=0, le=1)
+    lam: float = knob(1.0, "GAE λ (bias-variance trade-off); 1.0 = Monte-Carlo returns.", ge=0, le=1)
+    norm_adv_by_std_in_grpo: bool = knob(
+        True, "grpo: divide by the group's standard deviation, as in the paper; false = Dr. GRPO."
+    )
+    use_kl_in_reward: bool = knob(
+        False, "Subtract kl_ctrl.kl_coef × KL(actor || reference) from token rewards. Needs the reference."
+    )
+    kl_penalty: KLEstimator = knob("kl", "Estimator of the in-reward KL (see actor.kl_loss_type).")
+    kl_ctrl: KLControlConfig = section(KLControlConfig, "Coefficient of the in-reward KL penalty.")
+    rollout_correction: RolloutCorrectionConfig = section(
+        RolloutCorrectionConfig, "Correction for rollout/trainer log-prob mismatch."
+    )
+
+
+# ---------------------------------------------------------------- trainer
+
+
+@dataclass
+class TrainerConfig(BaseConfig):
+    """The run: its name and outputs, length, devices, logging, checkpoints and resumption."""
+
+    project_name: str = knob("trellis", "Project name, shown by trackers; groups experiments.")
+    experiment_name: str = knob("default", "Name of this run within the project.")
+    run_dir: str | None = knob(
+        None,
+        "Where checkpoints, logs and metrics go (a local path or fsspec URL). "
+        "null = runs/<project_name>/<experiment_name>.",
+    )
+    total_epochs: int = knob(1, "Passes over the training set.", ge=1)
+    total_training_steps: int | None = knob(
+        None, "Stop after this many steps. null = total_epochs × steps per epoch.", ge=1
+    )
+    device: str = knob(
+        "auto",
+        "Device backend, a name in trellis.device_backends (cpu, cuda, ...), or auto = the best one "
+        "available on the machine.",
+    )
+    executor: Literal["local", "ray"] = knob(
+        "local",
+        "How workers run: local (in this process) or ray (Ray actors: several processes, devices or nodes).",
+    )
+    nnodes: int = knob(1, "Machines in the run; more than 1 needs executor=ray.", ge=1)
+    n_devices_per_node: int = knob(1, "Accelerators used on each machine (cpu: worker processes).", ge=1)
+    trackers: list[str] = knob(
+        ["console", "jsonl"],
+        "Metric trackers, names in trellis.trackers. console prints each step; jsonl writes metrics into "
+        "run_dir.",
+    )
+    save_freq: int = knob(-1, "Save a training checkpoint every this many steps; 0 or -1 = never.", ge=-1)
+    test_freq: int = knob(
+        -1, "Validate every this many steps; 0 or -1 = never (see val_before_train).", ge=-1
+    )
+    val_before_train: bool = knob(True, "Validate before the first step, as the baseline to compare against.")
+    resume_mode: Literal["auto", "disable", "resume_path"] = knob(
+        "auto",
+        "auto: continue from the latest checkpoint in run_dir, if any; disable: start fresh; "
+        "resume_path: continue from resume_from_path.",
+    )
+    resume_from_path: str | None = knob(
+        None, "Checkpoint directory to continue from (resume_mode=resume_path)."
+    )
+    max_actor_ckpt_to_keep: int | None = knob(
+        None, "Keep only this many latest checkpoints. null = all.", ge=1
+    )
+    seed: int = knob(1, "Seed of the run; data.seed and rollout.seed default to it.")
+    log_val_generations: int = knob(
+        0, "Validation samples (prompt, response, score) sent to the trackers per validation.", ge=0
+    )
+
+    def finalize(self) -> None:
+        if self.run_dir is None:
+            self.run_dir = f"runs/{self.project_name}/{self.experiment_name}"
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ConfigValueError(
+                "resume_from_path",
+                self.resume_from_path,
+                "must name a checkpoint directory when {p}resume_mode is 'resume_path'",
+            )
+        if self.nnodes > 1 and self.executor != "ray":
+            raise ConfigValueError(
+                "executor",
+                self.executor,
+                f"must be 'ray' when {{p}}nnodes is {self.nnodes} (local runs on one machine)",
+            )
+
+
+# ---------------------------------------------------------------- the whole run
+
+
+@dataclass
+class TrellisConfig(BaseConfig):
+    """The configuration of one PPO/GRPO run."""
+
+    data: DataConfig = section(DataConfig, "Training and validation data.")
+    model: ModelConfig = section(ModelConfig, "The policy model.")
+    actor: ActorConfig = section(ActorConfig, "The trained policy.")
+    critic: CriticConfig = section(CriticConfig, "The value model (PPO with gae).")
+    ref: RefConfig = section(RefConfig, "The frozen reference policy, for KL terms.")
+    rollout: RolloutConfig = section(RolloutConfig, "Response generation.")
+    reward: RewardConfig = section(RewardConfig, "Scoring of responses.")
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "Advantage estimation and the in-reward KL.")
+    trainer: TrainerConfig = section(
+        TrainerConfig, "The run: outputs, length, devices, logging, checkpoints."
+    )
+
+    def finalize(self) -> None:
+        data, model, actor, critic, ref = self.data, self.model, self.actor, self.critic, self.ref
+        rollout, algorithm, trainer = self.rollout, self.algorithm, self.trainer
+
+        # "null = derive it" fields
+        if model.tokenizer_path is None:
+            model.tokenizer_path = model.path
+        if data.seed is None:
+            data.seed = trainer.seed
+        if rollout.seed is None:
+            rollout.seed = trainer.seed
+        if rollout.max_tokens is None:
+            rollout.max_tokens = data.max_response_length
+        uses_kl = actor.use_kl_loss or algorithm.use_kl_in_reward
+        if ref.enable is None:
+            ref.enable = uses_kl
+        if critic.enable is None:
+            critic.enable = algorithm.adv_estimator in ESTIMATORS_WITH_CRITIC
+        if critic.model_path is None:
+            critic.model_path = model.path
+        if critic.ppo_mini_batch_size is None:
+            critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
+        if critic.ppo_epochs is None:
+            critic.ppo_epochs = actor.ppo_epochs
+
+        # relations between sections
+        if rollout.max_tokens > data.max_response_length:
+            raise ConfigValueError(
+                "rollout.max_tokens",
+                rollout.max_tokens,
+                f"must be <= data.max_response_length ({data.max_response_length}), "
+                "the length responses are padded to",
+            )
+        if uses_kl and not ref.enable:
+            which = "actor.use_kl_loss" if actor.use_kl_loss else "algorithm.use_kl_in_reward"
+            raise ConfigValueError(
+                "ref.enable",
+                False,
+                f"must be true (or null) when {which} is true: the KL term needs reference log-probs",
+            )
+        if algorithm.adv_estimator in ESTIMATORS_WITH_CRITIC and not critic.enable:
+            raise ConfigValueError(
+                "critic.enable",
+                False,
+                f"must be true (or null) with algorithm.adv_estimator {algorithm.adv_estimator!r}, "
+                "which needs values",
+            )
+        if algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+            raise ConfigValueError(
+                "rollout.n",
+                rollout.n,
+                f"must be >= 2 with algorithm.adv_estimator {algorithm.adv_estimator!r}, which compares the "
+                "responses to one prompt",
+            )
+        if algorithm.rollout_correction.mode != "none" and not rollout.calculate_log_probs:
+            raise ConfigValueError(
+                "rollout.calculate_log_probs",
+                False,
+                "must be true when algorithm.rollout_correction.mode is "
+                f"{algorithm.rollout_correction.mode!r}, which weighs by rollout log-probs",
+            )
+        self._check_batches("actor", actor)
+        if critic.enable:
+            self._check_batches("critic", critic)
+
+    def _check_batches(self, role: str, cfg: ActorConfig | CriticConfig) -> None:
+        # One step's prompts split into whole mini-batches; one mini-batch's responses split evenly
+        # over the data-parallel devices; with dynamic batching, one full-length sample must fit.
+        mini, n, prompts = cfg.ppo_mini_batch_size, self.rollout.n, self.data.train_batch_size
+        if prompts % mini:
+            raise ConfigValueError(
+                f"{role}.ppo_mini_batch_size",
+                mini,
+                f"must divide data.train_batch_size ({prompts}): a step's prompts form whole mini-batches",
+            )
+        devices = self.trainer.nnodes * self.trainer.n_devices_per_node
+        if (mini * n) % devices:
+            raise ConfigValueError(
+                f"{role}.ppo_mini_batch_size",
+                mini,
+                f"× rollout.n ({n}) = {mini * n} responses must split evenly over the {devices} devices "
+                "(trainer.nnodes × trainer.n_devices_per_node)",
+            )
+        longest = self.data.max_prompt_length + self.data.max_response_length
+        if cfg.use_dynamic_bsz and cfg.max_token_len_per_micro_batch < longest:
+            raise ConfigValueError(
+                f"{role}.max_token_len_per_micro_batch",
+                cfg.max_token_len_per_micro_batch,
+                f"must be >= data.max_prompt_length + data.max_response_length ({longest}) so one "
+                "full-length sample fits",
+            )
