@@ -42,3 +42,29 @@ class ProtocolMismatchError(TrellisError, TypeError):
 
 class InvalidReferenceError(TrellisError, ValueError):
     """A ``package.module:attr`` or ``path/to/file.py:attr`` reference is malformed or dangling."""
+
+
+class DataProtoError(TrellisError, ValueError):
+    """A ``DataProto`` was built or used inconsistently (sizes, types, keys, indices).
+
+    The message names the key and the sizes or types involved.
+    """
+
+
+class ConfigError(TrellisError, ValueError):
+    """A configuration has an unknown key, a value of the wrong type, or an invalid value.
+
+    The message names the full dotted key, the bad value and, for unknown keys, the closest
+    valid key.
+    """
+
+
+class DatasetError(TrellisError, ValueError):
+    """A dataset file is missing, unreadable or malformed.
+
+    The message names the file, the row number (0-based) and the column.
+    """
+
+
+class HdfsUnavailableError(TrellisError, RuntimeError):
+    """An ``hdfs://`` path was given, but neither the ``hdfs`` command nor pyarrow's HDFS client works."""

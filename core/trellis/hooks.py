@@ -39,8 +39,9 @@ class TrellisHookSpecs:
     def trellis_config_loaded(self, config: Any) -> None:
         """The merged configuration of a run is ready, before anything is built from it.
 
-        ``config`` is the run's configuration object (an OmegaConf container). Implementations
-        may read it; changing it here is allowed and affects the run.
+        ``config`` is the run's :class:`trellis.config.TrellisConfig` (typed dataclasses, with
+        derived defaults filled in). Implementations may read it; changing it here is allowed
+        and affects the run.
         """
 
     @hookspec

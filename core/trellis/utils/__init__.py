@@ -1,0 +1,67 @@
+"""Utilities every layer uses: files anywhere, tokenizers, logging, timing, profiling, memory.
+
+Importing ``trellis.utils`` is cheap: it imports neither torch nor transformers. The public
+names below are attributes that import their module on first access; the modules
+themselves import torch, transformers and fsspec only inside the functions that need them.
+
+=========================  ====================================================
+module                     public names
+=========================  ====================================================
+``trellis.utils.fs``        ``copy``, ``makedirs``, ``is_non_local``, ``copy_to_local``
+``trellis.utils.tokenizer`` ``hf_tokenizer``, ``hf_processor``, ``normalize_token_ids``
+``trellis.utils.logging``   ``print_rank_0``, ``log_with_rank``, ``get_rank``
+``trellis.utils.timing``    ``timer``, ``marked_timer``
+``trellis.utils.profiling`` ``profile``
+``trellis.utils.memory``    ``device_memory_usage``, ``log_device_memory_usage``,
+                            ``aggressive_empty_cache``
+=========================  ====================================================
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> "module:attr" (or "module" for a submodule), imported on first access
+_LAZY: dict[str, str] = {
+    "copy": "trellis.utils.fs:copy",
+    "makedirs": "trellis.utils.fs:makedirs",
+    "is_non_local": "trellis.utils.fs:is_non_local",
+    "copy_to_local": "trellis.utils.fs:copy_to_local",
+    "hf_tokenizer": "trellis.utils.tokenizer:hf_tokenizer",
+    "hf_processor": "trellis.utils.tokenizer:hf_processor",
+    "normalize_token_ids": "trellis.utils.tokenizer:normalize_token_ids",
+    "print_rank_0": "trellis.utils.logging:print_rank_0",
+    "log_with_rank": "trellis.utils.logging:log_with_rank",
+    "get_rank": "trellis.utils.logging:get_rank",
+    "timer": "trellis.utils.timing:timer",
+    "marked_timer": "trellis.utils.timing:marked_timer",
+    "profile": "trellis.utils.profiling:profile",
+    "device_memory_usage": "trellis.utils.memory:device_memory_usage",
+    "log_device_memory_usage": "trellis.utils.memory:log_device_memory_usage",
+    "aggressive_empty_cache": "trellis.utils.memory:aggressive_empty_cache",
+    "fs": "trellis.utils.fs",
+    "tokenizer": "trellis.utils.tokenizer",
+    "logging": "trellis.utils.logging",
+    "timing": "trellis.utils.timing",
+    "profiling": "trellis.utils.profiling",
+    "memory": "trellis.utils.memory",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'trellis.utils' has no attribute {name!r}")
+    module_name, _, attr = target.partition(":")
+    value = importlib.import_module(module_name)
+    if attr:
+        value = getattr(value, attr)
+    globals()[name] = value  # cache: later accesses skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
