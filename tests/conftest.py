@@ -52,3 +52,11 @@ def run_python(
 def python():
     """``python(code, env=None)`` runs code in a fresh interpreter and returns the process."""
     return run_python
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A folder holding the tiny tokenizer and model (built once per test session)."""
+    from trellis.testing.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_model"))
