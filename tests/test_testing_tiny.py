@@ -27,9 +27,8 @@ def test_model_shapes_and_determinism(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert tokenizer.padding_side == "left"  # survives the reload
     config = model.config
-    assert (config.hidden_size, config.num_hidden_layers, config.head_dim, config.num_key_value_heads) == (
-        64, 2, 32, 1,
-    )
+    shape = (config.hidden_size, config.num_hidden_layers, config.head_dim, config.num_key_value_heads)
+    assert shape == (64, 2, 32, 1)
     assert 50_000 < sum(p.numel() for p in model.parameters()) < 200_000
     ids = torch.tensor([tokenizer("What is 2 + 3?")["input_ids"]])
     assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
