@@ -19,6 +19,8 @@ _LAZY: dict[str, str] = {
     "hooks": "trellis.hooks",
     "hookimpl": "trellis.hooks:hookimpl",
     "get_plugin_manager": "trellis.hooks:get_plugin_manager",
+    "DataProto": "trellis.data.protocol:DataProto",
+    "load_config": "trellis.config:load_config",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -68,3 +68,7 @@ class DatasetError(TrellisError, ValueError):
 
 class HdfsUnavailableError(TrellisError, RuntimeError):
     """An ``hdfs://`` path was given, but neither the ``hdfs`` command nor pyarrow's HDFS client works."""
+
+
+class DataProtoIndexError(DataProtoError, IndexError):
+    """An index out of range for a ``DataProto``; also an ``IndexError``, as Python code expects."""
