@@ -244,6 +244,11 @@ class ActorConfig(BaseConfig):
     policy_loss: str = knob(
         "vanilla", "Policy loss, a name in trellis.policy_losses or a reference. vanilla is clipped PPO."
     )
+    policy_loss_kwargs: dict[str, Any] = knob(
+        {},
+        "Extra settings of the chosen policy loss, e.g. {clip_cov_ratio: 0.0002} for clip_cov or "
+        "{tau_pos: 1.0, tau_neg: 1.05} for sapo; each loss documents its own.",
+    )
     entropy_coeff: float = knob(
         0.0, "Weight of the entropy bonus. 0: an entropy bonus tends to destabilise LLM training.", ge=0
     )
