@@ -6,9 +6,7 @@ below are attributes that import their module on first access.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from trellis._lazy import lazy_attributes
 from trellis._version import __version__
 
 # public name -> "module:attr" (or "module" for a submodule), imported on first access
@@ -26,17 +24,4 @@ _LAZY: dict[str, str] = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    target = _LAZY.get(name)
-    if target is None:
-        raise AttributeError(f"module 'trellis' has no attribute {name!r}")
-    module_name, _, attr = target.partition(":")
-    value = importlib.import_module(module_name)
-    if attr:
-        value = getattr(value, attr)
-    globals()[name] = value  # cache: later accesses skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes("trellis", _LAZY, globals())

@@ -6,26 +6,20 @@ utilities) is imported only when one of its names is asked for.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from trellis._lazy import lazy_attributes
 
 _LAZY = {
-    "DataProto": "trellis.data.protocol",
-    "DataProtoItem": "trellis.data.protocol",
-    "pad_dataproto_to_divisor": "trellis.data.protocol",
-    "unpad_dataproto": "trellis.data.protocol",
-    "RLDataset": "trellis.data.dataset",
-    "PromptLoader": "trellis.data.dataset",
-    "ResumableSampler": "trellis.data.dataset",
-    "collate_fn": "trellis.data.dataset",
+    **{
+        name: f"trellis.data.protocol:{name}"
+        for name in ("DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto")
+    },
+    **{
+        name: f"trellis.data.dataset:{name}"
+        for name in ("RLDataset", "PromptLoader", "ResumableSampler", "collate_fn")
+    },
 }
 
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'trellis.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_attributes("trellis.data", _LAZY, globals())
