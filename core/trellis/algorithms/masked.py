@@ -38,7 +38,9 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     """
     count = mask.to(values.dtype).expand_as(values).sum()
     if count == 0:
-        raise ValueError("masked_var: the mask selects no entries; there is nothing to compute a variance of.")
+        raise ValueError(
+            "masked_var: the mask selects no entries; there is nothing to compute a variance of."
+        )
     mean = masked_mean(values, mask)
     variance = masked_mean((values - mean) ** 2, mask)
     if unbiased:
