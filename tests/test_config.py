@@ -341,7 +341,10 @@ def test_wrong_types_name_key_value_and_expected_type(override, expected):
             "data.truncation=middle",
             "Config key 'data.truncation' must be one of 'error', 'left', 'right'; got 'middle'.",
         ),
-        ("algorithm.kl_penalty=k3", "Config key 'algorithm.kl_penalty' must be one of 'kl', 'abs', 'mse',"),
+        (
+            "algorithm.kl_penalty=k4",
+            "Config key 'algorithm.kl_penalty' must be one of 'k1', 'kl', 'abs', 'k2',",
+        ),
         (
             "trainer.executor=Ray",
             "Config key 'trainer.executor' must be one of 'local', 'ray'; got 'Ray'. Closest: 'ray'.",
@@ -388,8 +391,9 @@ def test_enumerated_fields_list_the_allowed_values(override, expected):
         ),
         ("algorithm.gamma=1.1", "Config key 'algorithm.gamma' must be >= 0 and <= 1; got 1.1."),
         (
-            "algorithm.rollout_correction.clip_max=0.5",
-            "Config key 'algorithm.rollout_correction.clip_max' must be >= 1",
+            "algorithm.rollout_correction.rollout_is_threshold=0",
+            "Config key 'algorithm.rollout_correction.rollout_is_threshold' must hold bounds > 0 "
+            "(weights are ratios of probabilities); got 0.0.",
         ),
         ("reward.timeout_seconds=0", "Config key 'reward.timeout_seconds' must be > 0; got 0."),
     ],
@@ -443,14 +447,54 @@ def test_out_of_range_values_are_rejected(override, expected):
         ),
         (["rollout.n=1"], "Config key 'rollout.n' must be >= 2 with algorithm.adv_estimator 'grpo'"),
         (
-            ["algorithm.rollout_correction.mode=sequence"],
-            "Config key 'rollout.calculate_log_probs' must be true when algorithm.rollout_correction.mode is "
-            "'sequence'",
+            ["algorithm.rollout_correction.rollout_is=sequence"],
+            "Config key 'rollout.calculate_log_probs' must be true when "
+            "algorithm.rollout_correction.rollout_is is 'sequence', which compares the trainer's log-probs "
+            "with the rollout's; got False (bool).",
         ),
         (
-            ["algorithm.rollout_correction.mask_threshold=1.5"],
-            "Config key 'algorithm.rollout_correction.mask_threshold' must be >= "
-            "algorithm.rollout_correction.clip_max (2.0) or null; got 1.5.",
+            [
+                "algorithm.rollout_correction.rollout_rs=token_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=2",
+            ],
+            "Config key 'rollout.calculate_log_probs' must be true when "
+            "algorithm.rollout_correction.rollout_rs is 'token_k1', which compares",
+        ),
+        (
+            ["algorithm.rollout_correction.rollout_rs=token_k1"],
+            "Config key 'algorithm.rollout_correction.rollout_rs_threshold' must be set when "
+            "algorithm.rollout_correction.rollout_rs 'token_k1' is set: a number, a comma-separated "
+            "string of numbers or a list of numbers, one per criterion or one for all; got None.",
+        ),
+        (
+            [
+                "algorithm.rollout_correction.rollout_rs=token_k1,seq_sum_k2",
+                "algorithm.rollout_correction.rollout_rs_threshold='1,2,3'",
+            ],
+            "Config key 'algorithm.rollout_correction.rollout_rs_threshold' must give 1 number (for all "
+            "criteria) or 2 (one per criterion of algorithm.rollout_correction.rollout_rs "
+            "'token_k1,seq_sum_k2'); got '1,2,3'. It gives 3.",
+        ),
+        (
+            [
+                "algorithm.rollout_correction.rollout_rs=seq_avg_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=2",
+            ],
+            "Config key 'algorithm.rollout_correction.rollout_rs' must be criteria joined by commas, each "
+            "one of token_k1, token_k2, token_k3, seq_sum_k1, seq_sum_k2, seq_sum_k3, seq_mean_k1, "
+            "seq_mean_k2, seq_mean_k3, seq_max_k1, seq_max_k2, seq_max_k3; got 'seq_avg_k1'. Unknown "
+            "criterion 'seq_avg_k1'.",
+        ),
+        (
+            ["algorithm.rollout_correction.rollout_is_threshold=2.0_0.5"],
+            "Config key 'algorithm.rollout_correction.rollout_is_threshold' must name a band with "
+            "lower < upper; got '2.0_0.5'. Write 'lower_upper', e.g. '0.5_2.0'.",
+        ),
+        (
+            ["algorithm.rollout_correction.rollout_is_batch_normalize=true"],
+            "Config key 'algorithm.rollout_correction.rollout_is_batch_normalize' must be false when "
+            "algorithm.rollout_correction.rollout_is is null; got True. There are no weights to normalise: "
+            "set rollout_is too.",
         ),
         (
             ["rollout.temperature=0"],
@@ -488,13 +532,18 @@ def test_cross_field_rules_accept_consistent_values():
             "trainer.n_devices_per_node=2",  # 4 prompts × 3 = 12 responses over 4 devices
             "rollout.temperature=0",
             "rollout.do_sample=false",
-            "algorithm.rollout_correction.mode=token",
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold=[0.5,2.0]",
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k3,token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold='0.01,2'",
             "rollout.calculate_log_probs=true",
             "trainer.resume_mode=resume_path",
             "trainer.resume_from_path=/ckpt/step_10",
         ]
     )
-    assert config.rollout.temperature == 0.0 and config.algorithm.rollout_correction.mode == "token"
+    assert config.rollout.temperature == 0.0 and config.algorithm.rollout_correction.rollout_is == "token"
+    assert config.algorithm.rollout_correction.rollout_is_threshold == [0.5, 2.0]
+    assert config.algorithm.rollout_correction.rollout_rs_threshold == "0.01,2"
     assert load_config(overrides=["algorithm.adv_estimator=reinforce", "rollout.n=1"]).rollout.n == 1
 
 

@@ -20,12 +20,14 @@ from typing import Any, Literal
 from trellis.config.base import BaseConfig, ConfigValueError, knob, section
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "full"]
+KLEstimator = Literal[
+    "k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "k3+", "low_var_kl+"
+]  # = trellis.algorithms.kl.KL_KINDS
 
 ESTIMATORS_WITH_CRITIC = ("gae",)
 """Advantage estimators that need a value model: ``critic.enable: null`` turns the critic on for these."""
 
-GROUP_ESTIMATORS = ("grpo", "rloo")
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk")
 """Advantage estimators that compare the responses to one prompt, so they need ``rollout.n >= 2``."""
 
 
@@ -258,8 +260,8 @@ class ActorConfig(BaseConfig):
     kl_loss_coef: float = knob(0.001, "Weight of the KL loss; 0.001 as in the GRPO paper.", ge=0)
     kl_loss_type: KLEstimator = knob(
         "low_var_kl",
-        "Estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3: low variance, never negative) "
-        "or full.",
+        "Estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3: low variance, never negative), "
+        "or k1+ / k3+ (k1 / k3 values with k2's gradient).",
     )
     grad_clip: float = knob(1.0, "Clip the global gradient norm to this before each optimizer step.", gt=0)
     shuffle: bool = knob(False, "Shuffle a step's responses before splitting them into mini-batches.")
@@ -502,27 +504,199 @@ class KLControlConfig(BaseConfig):
 
 @dataclass
 class RolloutCorrectionConfig(BaseConfig):
-    """Importance weights w = π_train / π_rollout that correct for the rollout backend's numerics
-    differing from the trainer's. Needs ``rollout.calculate_log_probs``."""
+    """Correction for the rollout backend's numerics differing from the trainer's: importance
+    weights on ρ = π_train / π_rollout and rejection of tokens or responses that diverge too much.
+    The fields mirror the arguments of
+    ``trellis.algorithms.rollout_correction.compute_rollout_correction_and_rejection_mask``.
+    Enabling either part needs ``rollout.calculate_log_probs``.
 
-    mode: Literal["none", "token", "sequence"] = knob(
-        "none", "Weight per token, per response (product over its tokens), or none = no correction."
+    The option grammar (criteria names, threshold forms) is parsed here, without torch, by the
+    ``parse_*`` static methods, which the algorithm calls too. Each takes ``error``, a factory
+    ``error(key, value, requirement, hint=...)`` of the exception to raise (default: a plain
+    ``ValueError`` reading ``<key> <requirement>; got <value>.<hint>``).
+    """
+
+    IS_LEVELS = ("token", "sequence")
+    RS_CRITERIA = (
+        "token_k1",
+        "token_k2",
+        "token_k3",
+        "seq_sum_k1",
+        "seq_sum_k2",
+        "seq_sum_k3",
+        "seq_mean_k1",
+        "seq_mean_k2",
+        "seq_mean_k3",
+        "seq_max_k1",
+        "seq_max_k2",
+        "seq_max_k3",
     )
-    clip_max: float = knob(
-        2.0, "Weights above this are truncated to it (truncated importance sampling); bounds variance.", ge=1
-    )
-    mask_threshold: float | None = knob(
+
+    rollout_is: Literal["token", "sequence"] | None = knob(
         None,
-        "Tokens (token mode) or responses (sequence mode) whose weight exceeds this leave the loss. "
-        "null = never. At least clip_max.",
-        gt=0,
+        "Importance weights: token (w_t = ρ_t), sequence (w = Π_t ρ_t over the response, on each of its "
+        "tokens) or null = none.",
     )
+    rollout_is_threshold: float | str | list[float] | None = knob(
+        2.0,
+        "A number C truncates weights to at most C (truncated IS). A band 'lower_upper' (e.g. '0.5_2.0'; "
+        "write decimal points: YAML reads 1_2 as 12) or [lower, upper] zeroes weights outside it (IcePop). "
+        "null = neither. 2.0 bounds the variance.",
+    )
+    rollout_is_batch_normalize: bool = knob(
+        False, "Rescale weights so their mean over the batch (tokens, or responses in sequence mode) is 1."
+    )
+    rollout_rs: str | None = knob(
+        None,
+        "Rejection criteria joined by commas, e.g. 'token_k1' or 'seq_mean_k3,seq_max_k1': token_kN drops "
+        "tokens, seq_{sum,mean,max}_kN drops responses whose divergence kN (k1 = |log ρ|, k2 = ½(log ρ)², "
+        "k3 = ρ−1−log ρ) exceeds its threshold. null = reject nothing.",
+    )
+    rollout_rs_threshold: float | str | list[float] | None = knob(
+        None,
+        "Rejection thresholds, > 0: one number for all criteria, or one per criterion ('0.1,2.0' or a "
+        "list). Required with rollout_rs.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any correction (weights or rejection) is on."""
+        return self.rollout_is is not None or self.rollout_rs is not None
 
     def finalize(self) -> None:
-        if self.mask_threshold is not None and self.mask_threshold < self.clip_max:
+        self.parse_is_threshold(self.rollout_is_threshold, error=ConfigValueError)
+        if self.rollout_is_batch_normalize and self.rollout_is is None:
             raise ConfigValueError(
-                "mask_threshold", self.mask_threshold, f"must be >= {{p}}clip_max ({self.clip_max}) or null"
+                "rollout_is_batch_normalize",
+                True,
+                "must be false when {p}rollout_is is null",
+                hint=" There are no weights to normalise: set rollout_is too.",
             )
+        if self.rollout_rs is not None:
+            criteria = self.parse_rs(self.rollout_rs, error=ConfigValueError)
+            self.parse_rs_thresholds(
+                self.rollout_rs_threshold, criteria, rs_spec=self.rollout_rs, error=ConfigValueError
+            )
+
+    # -- the option grammar, shared with trellis.algorithms.rollout_correction
+
+    @staticmethod
+    def argument_error(key: str, value: Any, requirement: str, hint: str = "") -> ValueError:
+        """A ``ValueError`` about function argument ``key``, worded like a :class:`ConfigValueError`."""
+        return ValueError(f"{key} {requirement.replace('{p}', '')}; got {value!r}.{hint}")
+
+    @staticmethod
+    def parse_is_threshold(value: Any, *, error: Any = None) -> tuple[float | None, float | None]:
+        """``(lower, upper)`` from a ``rollout_is_threshold``: a number (or a string of one) C gives
+        ``(None, C)`` (truncate at C); ``"lower_upper"`` or a ``(lower, upper)`` pair gives the band
+        ``(lower, upper)`` (zero outside it); ``None`` gives ``(None, None)`` (neither).
+
+        Raises (through ``error``): not one of these forms, a bound not > 0, or lower >= upper.
+        """
+        error = error or RolloutCorrectionConfig.argument_error
+        key = "rollout_is_threshold"
+        forms = "a number > 0, a band 'lower_upper' such as '0.5_2.0', a (lower, upper) pair or null"
+        if value is None:
+            return None, None
+        if isinstance(value, str):
+            parts: Any = value.split("_") if "_" in value else [value]
+        elif isinstance(value, (list, tuple)):
+            if len(value) != 2:
+                raise error(key, value, f"must be {forms}", hint=f" A band has 2 bounds, not {len(value)}.")
+            parts = list(value)
+        else:
+            parts = [value]
+        bounds = [RolloutCorrectionConfig._number(part) for part in parts]
+        if len(bounds) > 2 or any(bound is None for bound in bounds):
+            raise error(key, value, f"must be {forms}")
+        if any(not bound > 0 for bound in bounds):  # `not > 0` also catches NaN
+            raise error(key, value, "must hold bounds > 0 (weights are ratios of probabilities)")
+        if len(bounds) == 1:
+            return None, bounds[0]
+        lower, upper = bounds
+        if lower >= upper:
+            raise error(
+                key,
+                value,
+                "must name a band with lower < upper",
+                hint=" Write 'lower_upper', e.g. '0.5_2.0'.",
+            )
+        return lower, upper
+
+    @staticmethod
+    def parse_rs(spec: Any, *, error: Any = None) -> list[str]:
+        """The criteria named by a ``rollout_rs`` string (``"seq_mean_k3,seq_max_k1"``), in order.
+
+        Raises (through ``error``): not a string, an empty name, an unknown or repeated criterion.
+        """
+        error = error or RolloutCorrectionConfig.argument_error
+        valid = RolloutCorrectionConfig.RS_CRITERIA
+        requirement = "must be criteria joined by commas, each one of " + ", ".join(valid)
+        if not isinstance(spec, str):
+            raise error("rollout_rs", spec, requirement + ", or null")
+        criteria = [name.strip() for name in spec.split(",")]
+        for name in criteria:
+            if name not in valid:
+                hint = " An empty name." if not name else f" Unknown criterion {name!r}."
+                raise error("rollout_rs", spec, requirement, hint=hint)
+        repeated = sorted({name for name in criteria if criteria.count(name) > 1})
+        if repeated:
+            raise error(
+                "rollout_rs", spec, "must name each criterion once", hint=f" Repeated: {repeated[0]!r}."
+            )
+        return criteria
+
+    @staticmethod
+    def parse_rs_thresholds(
+        value: Any, criteria: list[str], *, rs_spec: Any = None, error: Any = None
+    ) -> list[float]:
+        """One threshold per criterion from a ``rollout_rs_threshold``: a number (for all criteria), a
+        comma-separated string of numbers or a list of them (one, or one per criterion).
+
+        Raises (through ``error``): missing, not numbers, a count other than 1 or ``len(criteria)``,
+        or a number not > 0.
+        """
+        error = error or RolloutCorrectionConfig.argument_error
+        key, count = "rollout_rs_threshold", len(criteria)
+        named = f"{{p}}rollout_rs {rs_spec if rs_spec is not None else ','.join(criteria)!r}"
+        forms = "a number, a comma-separated string of numbers or a list of numbers"
+        if value is None:
+            raise error(
+                key, value, f"must be set when {named} is set: {forms}, one per criterion or one for all"
+            )
+        if isinstance(value, str):
+            parts: Any = value.split(",")
+        elif isinstance(value, (list, tuple)):
+            parts = list(value)
+        else:
+            parts = [value]
+        thresholds = [RolloutCorrectionConfig._number(part) for part in parts]
+        if not thresholds or any(threshold is None for threshold in thresholds):
+            raise error(key, value, f"must be {forms}")
+        if len(thresholds) not in (1, count):
+            raise error(
+                key,
+                value,
+                f"must give 1 number (for all criteria) or {count} (one per criterion of {named})",
+                hint=f" It gives {len(thresholds)}.",
+            )
+        if any(not threshold > 0 for threshold in thresholds):  # `not > 0` also catches NaN
+            raise error(key, value, "must hold numbers > 0 (divergences above them are rejected)")
+        return thresholds * count if len(thresholds) == 1 else thresholds
+
+    @staticmethod
+    def _number(value: Any) -> float | None:
+        """``value`` as a float (a number, or a string holding one), else ``None``."""
+        if isinstance(value, bool):
+            return None
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                return None
+        return None
 
 
 @dataclass
@@ -694,12 +868,14 @@ class TrellisConfig(BaseConfig):
                 f"must be >= 2 with algorithm.adv_estimator {algorithm.adv_estimator!r}, which compares the "
                 "responses to one prompt",
             )
-        if algorithm.rollout_correction.mode != "none" and not rollout.calculate_log_probs:
+        correction = algorithm.rollout_correction
+        if correction.enabled and not rollout.calculate_log_probs:
+            part = "rollout_is" if correction.rollout_is is not None else "rollout_rs"
             raise ConfigValueError(
                 "rollout.calculate_log_probs",
                 False,
-                "must be true when algorithm.rollout_correction.mode is "
-                f"{algorithm.rollout_correction.mode!r}, which weighs by rollout log-probs",
+                f"must be true when algorithm.rollout_correction.{part} is {correction[part]!r}, "
+                "which compares the trainer's log-probs with the rollout's",
             )
         self._check_batches("actor", actor)
         if critic.enable:
