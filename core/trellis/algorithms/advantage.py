@@ -20,12 +20,12 @@ sample i; "outcome" estimators give every masked token of a response the same ad
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from trellis.algorithms._config import config_value
 from trellis.algorithms.masked import masked_sum, masked_whiten
 
 __all__ = [
@@ -44,17 +44,8 @@ __all__ = [
 # ---------------------------------------------------------------- helpers
 
 
-def _config_value(config: Any, key: str, default: Any) -> Any:
-    """``config[key]`` for a dict, ``config.get(key, default)`` for a config object, else ``default``."""
-    if config is None:
-        return default
-    if isinstance(config, Mapping) or callable(getattr(config, "get", None)):
-        return config.get(key, default)
-    return getattr(config, key, default)
-
-
 def _epsilon(config: Any, extra: dict[str, Any]) -> float:
-    return float(extra["epsilon"]) if "epsilon" in extra else float(_config_value(config, "epsilon", 1e-6))
+    return float(extra["epsilon"]) if "epsilon" in extra else float(config_value(config, "epsilon", 1e-6))
 
 
 def _check_inputs(name: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -160,8 +151,8 @@ def compute_gae_advantage_return(
             f"{tuple(token_level_rewards.shape)}; got {getattr(values, 'shape', type(values).__name__)}."
         )
     values = values.to(token_level_rewards.dtype)
-    gamma = float(_config_value(config, "gamma", 1.0))
-    lam = float(_config_value(config, "lam", 1.0))
+    gamma = float(config_value(config, "gamma", 1.0))
+    lam = float(config_value(config, "lam", 1.0))
 
     keep = mask.bool()
     bs, T = token_level_rewards.shape
@@ -210,7 +201,7 @@ def compute_grpo_outcome_advantage(
     inverse, groups = _group_ids(name, index, scores.shape[0], scores.device)
     _, mean, std = _group_stats(scores, inverse, len(groups))
     scores = scores - mean[inverse]  # R_i − mean_g
-    if _config_value(config, "norm_adv_by_std_in_grpo", True):
+    if config_value(config, "norm_adv_by_std_in_grpo", True):
         scores = scores / (std[inverse] + _epsilon(config, extra))  # (R_i − mean_g) / (std_g + ε)
     advantages = _broadcast(scores, mask)
     return advantages, advantages
@@ -263,7 +254,7 @@ def compute_grpo_passk_outcome_advantage(
     second = torch.full((n_groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
     second = second.scatter_reduce(0, inverse, torch.where(winner, neg_inf, scores), "amax")  # R_second
     margin = best - second  # R_max − R_second
-    if _config_value(config, "norm_adv_by_std_in_grpo", True):
+    if config_value(config, "norm_adv_by_std_in_grpo", True):
         # A margin of 0 stays 0 even when std_g + ε is 0 (all scores tied, ε = 0).
         margin = torch.where(margin == 0, margin, margin / (std + _epsilon(config, extra)))
     advantages = _broadcast(torch.where(winner, margin[inverse], torch.zeros_like(scores)), mask)
@@ -390,7 +381,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     """
     name = "reinforce_plus_plus"
     mask = _check_inputs(name, token_level_rewards, response_mask)
-    gamma = float(_config_value(config, "gamma", 1.0))
+    gamma = float(config_value(config, "gamma", 1.0))
     keep = mask.bool()
     zero = torch.zeros((), dtype=token_level_rewards.dtype, device=token_level_rewards.device)
     returns = torch.zeros_like(token_level_rewards)

@@ -13,10 +13,11 @@ tokens under the policy and the reference; with x = ref_logprob − logprob = lo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from trellis.algorithms._config import config_value
 
 __all__ = [
     "KL_KINDS",
@@ -138,12 +139,6 @@ class AdaptiveKLController:
 _CONTROLLER_TYPES = ("fixed", "adaptive")
 
 
-def _read(config: Any, key: str, default: Any) -> Any:
-    if isinstance(config, Mapping) or callable(getattr(config, "get", None)):
-        return config.get(key, default)
-    return getattr(config, key, default)
-
-
 def get_kl_controller(config: Any) -> FixedKLController | AdaptiveKLController:
     """Build the controller a ``KLControlConfig`` (or a dict / object with the same keys) describes.
 
@@ -153,10 +148,12 @@ def get_kl_controller(config: Any) -> FixedKLController | AdaptiveKLController:
     Raises:
         ValueError: unknown ``type``, or invalid values (see the controllers).
     """
-    kind = _read(config, "type", "fixed")
-    kl_coef = _read(config, "kl_coef", 0.001)
+    kind = config_value(config, "type", "fixed")
+    kl_coef = config_value(config, "kl_coef", 0.001)
     if kind == "fixed":
         return FixedKLController(kl_coef)
     if kind == "adaptive":
-        return AdaptiveKLController(kl_coef, _read(config, "target_kl", 0.1), _read(config, "horizon", 10000))
+        return AdaptiveKLController(
+            kl_coef, config_value(config, "target_kl", 0.1), config_value(config, "horizon", 10000)
+        )
     raise ValueError(f"Unknown KL controller type {kind!r}. Valid types: {', '.join(_CONTROLLER_TYPES)}.")

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from trellis.algorithms._config import config_value
 from trellis.algorithms.aggregation import agg_loss
 from trellis.algorithms.masked import masked_mean
 
@@ -44,15 +45,12 @@ Metrics = dict[str, torch.Tensor]
 
 def _get(container: Any, key: str) -> Any:
     """``container[key]`` for a dict or anything with ``.get``; None when absent."""
-    if container is None:
-        return None
-    getter = getattr(container, "get", None)
-    if getter is None:
+    if container is not None and not callable(getattr(container, "get", None)):
         raise TypeError(
             f"config must be None, a dict or an object with .get(key, default) (like ActorConfig); "
             f"got a {type(container).__name__}."
         )
-    return getter(key, None)
+    return config_value(container, key, None)
 
 
 def _setting(config: Any, key: str, default: Any) -> Any:
