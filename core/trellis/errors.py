@@ -72,3 +72,22 @@ class HdfsUnavailableError(TrellisError, RuntimeError):
 
 class DataProtoIndexError(DataProtoError, IndexError):
     """An index out of range for a ``DataProto``; also an ``IndexError``, as Python code expects."""
+
+
+class DeviceError(TrellisError, RuntimeError):
+    """A device backend was asked for something it cannot do as asked.
+
+    For example an event timed before it was recorded, or a device index out of range.
+    """
+
+
+class DeviceUnavailableError(DeviceError):
+    """A device backend was selected on a machine where it is not available.
+
+    The message gives the backend's :meth:`DeviceBackend.unavailable_reason` and the backends
+    that are available instead.
+    """
+
+
+class EngineError(TrellisError, RuntimeError):
+    """A training engine was used in a way its role or state does not allow; the message says the fix."""

@@ -81,8 +81,10 @@ device_backends: Registry[type] = Registry(
     "device backend",
     "trellis.device_backends",
     ClassProtocol(
-        "a DeviceBackend class with name, priority, communication_backend, is_available(), "
-        "device_count(), current_device(), set_device(i), synchronize(), empty_cache()",
+        # The structural minimum that `trellis doctor` and selection rely on; the whole interface
+        # (trellis.device.DeviceBackend) is checked by trellis.testing.DeviceBackendContract.
+        "a DeviceBackend class (trellis.device.DeviceBackend) with name, priority, communication_backend, "
+        "is_available(), device_count(), current_device(), set_device(i), synchronize(), empty_cache()",
         methods=(
             "is_available",
             "device_count",

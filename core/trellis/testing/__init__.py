@@ -10,6 +10,7 @@ Each contract is a plain class of ``test_*`` methods; pytest collects them throu
 ``Test*`` subclass. Later contracts (one per component kind) build on this one.
 """
 
+from trellis.testing.device import DeviceBackendContract
 from trellis.testing.registry import RegistryEntryContract
 
-__all__ = ["RegistryEntryContract"]
+__all__ = ["DeviceBackendContract", "RegistryEntryContract"]
