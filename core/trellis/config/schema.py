@@ -117,7 +117,8 @@ class ModelConfig(BaseConfig):
     attn_implementation: str = knob(
         "sdpa",
         "Attention kernel, as transformers names it (eager, sdpa, flash_attention_2, ...). sdpa runs on "
-        "every device with nothing extra installed.",
+        "every device with nothing extra installed; with use_remove_padding it runs per packed sequence "
+        "(trellis_varlen_sdpa).",
     )
     gradient_checkpointing: bool = knob(
         False,

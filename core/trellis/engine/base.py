@@ -1,0 +1,635 @@
+"""``TrainingEngine``: what every training engine does, and the machinery they share.
+
+An engine owns one model (and, when it trains, its optimizer and lr schedule) for one role:
+
+- ``"actor"``: a causal LM, trained; ``forward`` gives per-token log-probs (and entropies).
+- ``"critic"``: a value model (:mod:`trellis.engine.models`), trained; ``forward`` gives values.
+- ``"ref"``: a frozen causal LM; forward passes only, no optimizer.
+
+Batches (the verl convention) are a :class:`~trellis.data.protocol.DataProto` (or a dict of
+tensors) whose rows are prompt + response:
+
+- ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, L)``: the prompt left-padded, then
+  the response right-padded (``position_ids`` optional: derived from the mask);
+- ``responses`` ``(bs, T)``: the last ``T`` positions of ``input_ids``;
+- ``response_mask`` ``(bs, T)``: 1 on tokens the loss counts (needed by ``forward_backward``);
+- ``meta_info["temperature"]`` (optional): logits are divided by it before the log-softmax.
+
+The logits at position ``p`` predict token ``p + 1``, so response token ``t`` is scored by the
+logits at ``L − T + t − 1``; so are the critic's values. Outputs at response positions whose
+predicting position is padding are 0.
+
+Micro-batches: consecutive groups of ``ppo_micro_batch_size_per_device`` rows, or with
+``use_dynamic_bsz`` groups of at most ``max_token_len_per_micro_batch`` real tokens
+(:func:`~trellis.engine.packing.split_by_token_budget`); all data-parallel ranks run the same
+number of micro-batches. With ``model.use_remove_padding`` each micro-batch runs packed
+(:mod:`trellis.engine.packing`): its real tokens in one row, no compute on padding; the
+result equals the padded pass (to 1e-5 in float32).
+
+Loss functions: ``forward_backward(batch, loss_fn)`` calls, per micro-batch,
+``loss_fn(outputs, micro_batch, global_batch_info) -> (loss, metrics)`` where ``outputs`` holds
+that micro-batch's ``log_probs`` / ``entropy`` / ``values`` ``(mbs, T)`` with gradient,
+``micro_batch`` is the DataProto of its rows (on the engine's device), and
+``global_batch_info = {"dp_size", "batch_num_tokens", "global_batch_size"}`` counts the whole
+global batch over all ranks (see :mod:`trellis.algorithms.aggregation`). Each micro-batch's loss
+is back-propagated as is; gradients add up over micro-batches and are averaged over ranks, so a
+loss built with ``agg_loss(..., **global_batch_info)`` gives the gradient of the whole batch.
+
+Subclasses (``single``, ``fsdp``) supply the parallel parts: how the model is placed or
+sharded, the collectives, the compute-dtype context and the sharded state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from trellis.algorithms.logprobs import logprobs_and_entropy_from_logits, logprobs_from_logits
+from trellis.data.protocol import DataProto
+from trellis.engine import packing
+from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, micro_batch_groups
+from trellis.engine.models import compute_dtype, load_model
+from trellis.engine.optim import build_lr_scheduler, build_optimizer
+from trellis.errors import EngineError
+
+ROLES = ("actor", "critic", "ref")
+"""What an engine's model is for: a trained policy, a trained value model, a frozen reference."""
+
+BATCH_KEYS = ("input_ids", "attention_mask", "responses")
+"""Tensors every batch needs (``position_ids`` is optional; ``response_mask`` for training)."""
+
+LossFn = Callable[
+    [dict[str, torch.Tensor], DataProto, dict[str, int]], tuple[torch.Tensor, Mapping[str, Any]]
+]
+"""``loss_fn(outputs, micro_batch, global_batch_info) -> (loss, metrics)``."""
+
+STATE_KEYS = ("engine", "role", "dp_size", "global_step", "model", "optimizer", "lr_scheduler")
+
+
+class TrainingEngine:
+    """One model of one role, its optimizer and lr schedule, and its forward/backward passes.
+
+    Args:
+        model_config: a ``ModelConfig``: ``path``, ``dtype`` (compute dtype; weights stay float32),
+            ``attn_implementation``, ``gradient_checkpointing``, ``use_remove_padding``, ...
+        role_config: the role's section, ``ActorConfig`` / ``CriticConfig`` / ``RefConfig``
+            (batching, ``grad_clip``, ``optim``); None = that class's defaults. The critic's
+            ``model_path``, when set, replaces ``model_config.path``.
+        role: ``"actor"``, ``"critic"`` or ``"ref"``.
+        total_steps: the number of ``optimizer_step`` calls planned; needed by the cosine
+            schedule and a warm-up ratio.
+        device: the compute device (``"cpu"``, ``"cuda"``, ``"cuda:1"``); None = the device
+            backend's (:func:`trellis.device.get_device_name`), current index.
+        process_group: the data-parallel group (``fsdp``); None = the default group.
+        seed: seeds the initialisation of weights the checkpoint lacks (the critic's head).
+
+    Raises:
+        ValueError: an unknown role, a bad config value (named, with the fix).
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(
+        self,
+        model_config: Any,
+        role_config: Any = None,
+        *,
+        role: str = "actor",
+        total_steps: int | None = None,
+        device: str | torch.device | None = None,
+        process_group: Any = None,
+        seed: int = 0,
+    ):
+        if role not in ROLES:
+            raise ValueError(f"Unknown engine role {role!r}; use one of {list(ROLES)}.")
+        self.role = role
+        self.model_config = model_config
+        self.role_config = role_config if role_config is not None else _default_role_config(role)
+        self.device = _resolve_device(device)
+        self.dtype = compute_dtype(_get(model_config, "dtype", "bfloat16"))
+        self.use_remove_padding = bool(_get(model_config, "use_remove_padding", False))
+        self.micro_batch_size, self.max_tokens, self.grad_clip = _batching(role, self.role_config)
+        self.dp_rank, self.dp_size = self._init_parallel(process_group)
+
+        attn = _get(model_config, "attn_implementation", "sdpa")
+        packable = packing.MASK_IMPLEMENTATIONS + packing.VARLEN_IMPLEMENTATIONS
+        if self.use_remove_padding and attn not in packable:
+            raise ValueError(
+                f"model.use_remove_padding needs an attention implementation that keeps packed sequences "
+                f"apart ({list(packable)}); got model.attn_implementation={attn!r}. Choose one of those or "
+                "set use_remove_padding false."
+            )
+
+        path = _get(self.role_config, "model_path", None) if role == "critic" else None
+        module = load_model(model_config, value_model=role == "critic", path=path, seed=seed)
+        self.attn_implementation = module.config._attn_implementation
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(module.forward).parameters
+        if role == "ref":
+            module.requires_grad_(False)
+        elif _get(model_config, "gradient_checkpointing", False):
+            _enable_checkpointing(module)
+        self.model = self._wrap_model(module)
+
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        if role != "ref":
+            optim_config = _get(self.role_config, "optim", None)
+            self.optimizer = build_optimizer(self.model.parameters(), optim_config)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config, total_steps)
+        self.global_step = 0
+        """``optimizer_step`` calls so far (skipped ones included)."""
+        self._model_device = self._optimizer_device = self.device
+
+    # ---------------------------------------------------------------- parallel parts (subclasses)
+
+    def _init_parallel(self, process_group: Any) -> tuple[int, int]:
+        """Set up data parallelism; returns ``(dp_rank, dp_size)``."""
+        return 0, 1
+
+    def _wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Place (and shard) the float32 CPU model on ``self.device``; returns the module to run."""
+        raise NotImplementedError
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """``tensor`` reduced over the data-parallel ranks (``op``: ``"sum"`` or ``"max"``)."""
+        return tensor
+
+    def _union_keys(self, keys: list[str]) -> list[str]:
+        """The sorted union of every rank's ``keys``."""
+        return sorted(keys)
+
+    def _compute_context(self) -> contextlib.AbstractContextManager:
+        """The context forward passes run in (e.g. autocast to the compute dtype)."""
+        return contextlib.nullcontext()
+
+    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of a possibly sharded one (every rank must call it)."""
+        return tensor
+
+    # ---------------------------------------------------------------- forward passes
+
+    def forward(
+        self, batch: DataProto | Mapping[str, torch.Tensor], *, compute_entropy: bool = False
+    ) -> dict:
+        """Per-response-token outputs of the model, without gradients, in the batch's row order.
+
+        Args:
+            batch: rows of prompt + response (see the module docstring).
+            compute_entropy: also return the entropy of each token's distribution (not for critics).
+
+        Returns:
+            ``{"log_probs": (bs, T)}`` (plus ``"entropy": (bs, T)``) for actor and ref,
+            ``{"values": (bs, T)}`` for the critic; float32, on the batch's device.
+
+        Raises:
+            ValueError: missing keys or inconsistent shapes (named); entropy asked of a critic.
+            EngineError: the model is offloaded (call ``to(device)`` first).
+        """
+        data = self._check_batch(batch, "forward", compute_entropy=compute_entropy)
+        self._require_on_device("forward")
+        groups = self._groups(data)
+        self.model.eval()
+        outputs: list[dict[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for group in groups:
+                if group:
+                    outputs.append(self._run_micro_batch(data[group].to(self.device), compute_entropy))
+                else:  # keep step with the ranks that have one more micro-batch
+                    self._run_micro_batch(data[[0]].to(self.device), compute_entropy)
+        order = packing.restore_order([group for group in groups if group]).to(self.device)
+        home = data.batch["input_ids"].device
+        return {key: torch.cat([out[key] for out in outputs])[order].to(home) for key in outputs[0]}
+
+    def forward_backward(
+        self, batch: DataProto | Mapping[str, torch.Tensor], loss_fn: LossFn, *, compute_entropy: bool = False
+    ) -> dict[str, float]:
+        """Accumulate the gradient of ``loss_fn`` over the batch's micro-batches (no optimizer step).
+
+        Args:
+            batch: this rank's share of the global batch; needs ``response_mask``.
+            loss_fn: ``loss_fn(outputs, micro_batch, global_batch_info) -> (loss, metrics)``
+                (see the module docstring); ``loss`` a 0-d tensor carrying the gradient,
+                ``metrics`` a dict of numbers or 0-d tensors (or None).
+            compute_entropy: put ``entropy`` into ``outputs`` too (actor).
+
+        Returns:
+            ``{"loss": Σ micro-batch losses averaged over ranks}`` (the whole batch's loss when
+            the loss is aggregated with ``global_batch_info``), plus each of ``loss_fn``'s
+            metrics averaged over micro-batches and ranks, weighted by response tokens.
+
+        Raises:
+            EngineError: a ``ref`` engine (no optimizer); the model is offloaded.
+            ValueError: a bad batch; a ``loss_fn`` result that is not ``(0-d tensor with grad, dict)``.
+        """
+        self._require_trainable("forward_backward")
+        data = self._check_batch(batch, "forward_backward", compute_entropy=compute_entropy, training=True)
+        self._require_on_device("forward_backward")
+        info = global_batch_info(
+            data.batch["response_mask"].to(self.device), dp_size=self.dp_size, all_reduce=self._all_reduce
+        )
+        groups = self._groups(data)
+        self.model.train()
+        total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        metrics = MetricAccumulator(self.device)
+        for group in groups:
+            if not group:  # a zero-weight pass, so this rank joins the others' collectives
+                outputs = self._run_micro_batch(data[[0]].to(self.device), compute_entropy)
+                (sum(out.sum() for out in outputs.values()) * 0.0).backward()
+                continue
+            micro = data[group].to(self.device)
+            outputs = self._run_micro_batch(micro, compute_entropy)
+            loss, step_metrics = _check_loss(loss_fn(outputs, micro, info))
+            loss.backward()
+            total_loss += loss.detach().to(torch.float64)
+            metrics.add(step_metrics, micro.batch["response_mask"].sum())
+        result = metrics.reduce(self._union_keys(list(metrics.sums)), self._all_reduce)
+        result["loss"] = float(self._all_reduce(total_loss, "sum")) / self.dp_size
+        return result
+
+    def _groups(self, data: DataProto) -> list[list[int]]:
+        lengths = data.batch["attention_mask"].sum(dim=-1)
+        return micro_batch_groups(
+            lengths,
+            micro_batch_size=self.micro_batch_size,
+            max_tokens=self.max_tokens,
+            all_reduce=self._all_reduce,
+            device=self.device,
+        )
+
+    def _run_micro_batch(self, micro: DataProto, compute_entropy: bool) -> dict[str, torch.Tensor]:
+        """The model on one micro-batch (on ``self.device``); outputs ``(mbs, T)`` per key."""
+        tensors = micro.batch
+        input_ids, attention_mask = tensors["input_ids"], tensors["attention_mask"]
+        responses = tensors["responses"]
+        position_ids = tensors.get("position_ids", None)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        bs, length = input_ids.shape
+        width = responses.shape[1]
+        first = length - width - 1  # the position whose logits predict response token 0
+        value_head = self.role == "critic"
+        keep_kwargs: dict[str, Any] = {}
+
+        if self.use_remove_padding:
+            packed = packing.pack(input_ids, attention_mask, position_ids)
+            # packed index of each predicting position (bs, T), -1 where that position is padding
+            slot = packing.unpack(torch.arange(packed.total, device=input_ids.device), packed, fill=-1)
+            slot = slot[:, first : length - 1]
+            valid = slot >= 0
+            keep = slot[valid]
+            if self._logits_to_keep and not value_head:
+                keep_kwargs["logits_to_keep"] = keep
+            with self._compute_context():
+                out = self.model(
+                    **packed.model_inputs(self.attn_implementation, self.dtype),
+                    use_cache=False,
+                    **keep_kwargs,
+                )
+            logits = out.logits[0] if keep_kwargs else out.logits[0, keep]  # (n_valid, V or 1)
+            labels = responses[valid]
+        else:
+            if self._logits_to_keep and not value_head:
+                keep_kwargs["logits_to_keep"] = width + 1  # the last T + 1 positions: first .. L - 1
+            with self._compute_context():
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                    **keep_kwargs,
+                )
+            logits = out.logits[:, :width] if keep_kwargs else out.logits[:, first : length - 1]
+            labels = responses
+            valid = attention_mask[:, first : length - 1].bool()
+
+        if value_head:
+            stats = {"values": logits[..., 0].float()}
+        else:
+            stats = self._token_stats(logits, labels, compute_entropy, micro.meta_info.get("temperature"))
+        if self.use_remove_padding:  # (n_valid,) back to (bs, T), 0 at padding
+            return {
+                key: value.new_zeros(bs, width).masked_scatter(valid, value) for key, value in stats.items()
+            }
+        return {key: torch.where(valid, value, 0.0) for key, value in stats.items()}
+
+    def _token_stats(
+        self, logits: torch.Tensor, labels: torch.Tensor, compute_entropy: bool, temperature: Any
+    ) -> dict[str, torch.Tensor]:
+        if temperature is not None and float(temperature) != 1.0:
+            logits = logits / float(temperature)
+        # The logits are read by nothing else, so backward may overwrite them with their gradient.
+        inplace = torch.is_grad_enabled() and logits.requires_grad
+        if compute_entropy:
+            log_probs, entropy = logprobs_and_entropy_from_logits(logits, labels, inplace_backward=inplace)
+            return {"log_probs": log_probs, "entropy": entropy}
+        return {"log_probs": logprobs_from_logits(logits, labels, inplace_backward=inplace)}
+
+    # ---------------------------------------------------------------- optimizer
+
+    def optimizer_step(self) -> dict[str, Any]:
+        """Clip the gradient to ``grad_clip``, step the optimizer, then the lr schedule.
+
+        A gradient norm that is not finite (inf/NaN: an overflow somewhere) skips the update:
+        the gradients are zeroed and the parameters and optimizer state stay as they were. The
+        lr schedule and ``global_step`` advance either way, so the schedule follows the calls.
+
+        Returns:
+            ``{"grad_norm": float (before clipping), "lr": float (used by this step),
+            "stepped": bool (False when skipped)}``.
+
+        Raises:
+            EngineError: a ``ref`` engine; the model or optimizer state is offloaded.
+        """
+        self._require_trainable("optimizer_step")
+        self._require_on_device("optimizer_step", optimizer=True)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        grad_norm = self._full(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
+        stepped = bool(torch.isfinite(grad_norm))
+        if stepped:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, grad_norm)
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # a skipped first step makes torch warn of the call order
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            self.lr_scheduler.step()
+        self.global_step += 1
+        return {"grad_norm": float(grad_norm), "lr": lr, "stepped": stepped}
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients (``set_to_none``)."""
+        self.model.zero_grad(set_to_none=True)
+
+    # ---------------------------------------------------------------- placement
+
+    def to(
+        self, device: str | torch.device, *, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        """Move the parameters (``model``) and the optimizer state (``optimizer``) to ``device``.
+
+        ``to("cpu")`` offloads to host memory; ``to(<accelerator>)`` brings them back and makes
+        that the compute device. The optimizer state may go to the CPU alone (optimizer
+        offload), but it only comes onto an accelerator where the parameters are. ``grad``:
+        gradients travel with the parameters (True) or are dropped (False, freeing memory).
+        Moving to where things already are does nothing.
+
+        Raises:
+            EngineError: the optimizer state asked onto a device the parameters are not on
+                without ``model=True``.
+        """
+        device = _resolve_device(device)
+        moves_optimizer_alone = optimizer and self.optimizer is not None and not model
+        if moves_optimizer_alone and device.type != "cpu" and not _same_device(device, self._model_device):
+            raise EngineError(
+                f"{type(self).__name__}.to({str(device)!r}, model=False, optimizer=True): the optimizer "
+                f"state must sit on the device of the parameters it updates, which are on "
+                f"{self._model_device}. Move both: to({str(device)!r}, model=True, optimizer=True)."
+            )
+        if model:
+            if not grad:
+                self.model.zero_grad(set_to_none=True)
+            self.model.to(device)
+            self._model_device = device
+            if device.type != "cpu" or self.device.type == "cpu":
+                self.device = device
+        if optimizer and self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    # AdamW keeps "step" on the CPU unless capturable; leave it where it is
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device)
+            self._optimizer_device = device
+
+    # ---------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-identically: model, optimizer, lr schedule, step count.
+
+        Tensors share memory with the engine (save it, or copy it, before training on). An
+        ``fsdp`` engine returns this rank's shards; load them into an engine of the same size.
+        """
+        return {
+            "engine": self.name,
+            "role": self.role,
+            "dp_size": self.dp_size,
+            "global_step": self.global_step,
+            "model": self._model_state(),
+            "optimizer": None if self.optimizer is None else self._optimizer_state(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (of an engine of the same kind, role and data-parallel size).
+
+        Raises:
+            ValueError: missing entries, another engine kind, role or size, mismatched tensors.
+        """
+        missing = [key for key in STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(
+                f"load_state_dict: the state lacks {missing}; pass what TrainingEngine.state_dict() returned."
+            )
+        for key, mine in (("engine", self.name), ("role", self.role), ("dp_size", self.dp_size)):
+            if state[key] != mine:
+                raise ValueError(
+                    f"load_state_dict: the state was saved by an engine with {key}={state[key]!r}, this one "
+                    f"has {key}={mine!r}; load it into an engine built the same way."
+                )
+        self._load_model_state(state["model"])
+        if self.optimizer is not None:
+            if state["optimizer"] is None:
+                raise ValueError(
+                    "load_state_dict: the state holds no optimizer state, but this engine trains."
+                )
+            self._load_optimizer_state(state["optimizer"])
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.global_step = int(state["global_step"])
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def _load_model_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state, strict=True)
+
+    def _load_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, whole tensor)`` for every entry of the model's state dict, Hugging Face names.
+
+        For weight sync to rollout replicas. Under ``fsdp`` each tensor is all-gathered: every
+        rank must run the iteration to the end, in step. ``dtype``: cast each tensor (e.g. to the
+        rollout's bfloat16); None keeps float32.
+        """
+        for name, tensor in self.model.state_dict().items():
+            with torch.no_grad():  # not around the yield: the caller's grad mode stays its own
+                full = self._full(tensor).detach()
+                if dtype is not None:
+                    full = full.to(dtype)
+            yield name, full
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_batch(
+        self, batch: Any, where: str, *, compute_entropy: bool = False, training: bool = False
+    ) -> DataProto:
+        if isinstance(batch, Mapping):
+            batch = DataProto.from_dict(dict(batch))
+        if not isinstance(batch, DataProto) or batch.batch is None:
+            raise ValueError(
+                f"{where}: batch must be a DataProto (or a dict of tensors) holding {list(BATCH_KEYS)}, "
+                f"got {type(batch).__name__}."
+            )
+        needed = BATCH_KEYS + (("response_mask",) if training else ())
+        present = list(batch.batch.keys())
+        missing = [key for key in needed if key not in present]
+        if missing:
+            raise ValueError(f"{where}: the batch lacks {missing}; it has {present}.")
+        if compute_entropy and self.role == "critic":
+            raise ValueError(f"{where}: compute_entropy=True needs logits, but the critic has a value head.")
+        input_ids, responses = batch.batch["input_ids"], batch.batch["responses"]
+        if input_ids.dim() != 2 or responses.dim() != 2:
+            raise ValueError(
+                f"{where}: input_ids {tuple(input_ids.shape)} and responses {tuple(responses.shape)} must be "
+                "(batch, seq) tensors."
+            )
+        if responses.shape[1] >= input_ids.shape[1]:
+            raise ValueError(
+                f"{where}: responses are {responses.shape[1]} tokens but input_ids only "
+                f"{input_ids.shape[1]}; input_ids must be prompt (at least one token) + response."
+            )
+        for key in ("attention_mask", "position_ids"):
+            if key in present and batch.batch[key].shape != input_ids.shape:
+                raise ValueError(
+                    f"{where}: {key} has shape {tuple(batch.batch[key].shape)} but input_ids "
+                    f"{tuple(input_ids.shape)}; they must match."
+                )
+        if training and batch.batch["response_mask"].shape != responses.shape:
+            raise ValueError(
+                f"{where}: response_mask has shape {tuple(batch.batch['response_mask'].shape)} but responses "
+                f"{tuple(responses.shape)}; they must match."
+            )
+        if len(batch) == 0:
+            raise ValueError(f"{where}: the batch is empty; give every rank at least one row.")
+        return batch
+
+    def _require_trainable(self, where: str) -> None:
+        if self.optimizer is None:
+            raise EngineError(
+                f"{where}: this {self.role!r} engine runs forward passes only (it has no optimizer). Build "
+                "it with role='actor' or role='critic' to train."
+            )
+
+    def _require_on_device(self, where: str, *, optimizer: bool = False) -> None:
+        if not _same_device(self._model_device, self.device):
+            raise EngineError(
+                f"{where}: the parameters are offloaded to {self._model_device}; call "
+                f"engine.to({str(self.device)!r}) first."
+            )
+        if optimizer and not _same_device(self._optimizer_device, self.device):
+            raise EngineError(
+                f"{where}: the optimizer state is offloaded to {self._optimizer_device}; call "
+                f"engine.to({str(self.device)!r}, optimizer=True) first."
+            )
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _get(config: Any, key: str, default: Any) -> Any:
+    """``config[key]`` from a dict or config object, else ``default`` (also for a None value)."""
+    if config is None:
+        return default
+    value = (
+        config.get(key, default) if callable(getattr(config, "get", None)) else getattr(config, key, default)
+    )
+    return default if value is None else value
+
+
+def _default_role_config(role: str) -> Any:
+    from trellis.config.schema import ActorConfig, CriticConfig, RefConfig
+
+    return {"actor": ActorConfig, "critic": CriticConfig, "ref": RefConfig}[role]()
+
+
+def _batching(role: str, config: Any) -> tuple[int, int | None, float]:
+    """(rows per micro-batch, token budget per micro-batch or None, grad clip) of a role's config."""
+    key = "log_prob_micro_batch_size_per_device" if role == "ref" else "ppo_micro_batch_size_per_device"
+    micro_batch_size = _get(config, key, None) or _get(config, "ppo_micro_batch_size_per_device", 4)
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"{role}.{key}={micro_batch_size!r} must be a positive number of rows.")
+    max_tokens = None
+    if _get(config, "use_dynamic_bsz", False):
+        max_tokens = _get(config, "max_token_len_per_micro_batch", None)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(
+                f"{role}.max_token_len_per_micro_batch={max_tokens!r} must be a positive number of tokens "
+                "with use_dynamic_bsz."
+            )
+    grad_clip = float(_get(config, "grad_clip", 1.0))
+    if not grad_clip > 0:
+        raise ValueError(f"{role}.grad_clip={grad_clip!r} must be > 0.")
+    return micro_batch_size, max_tokens, grad_clip
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch device; None = the device backend's type at its current index (plain ``cpu`` on CPU)."""
+    if device is None:
+        from trellis.device import get_device_id, get_device_name
+
+        name = get_device_name()
+        return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
+    device = torch.device(device)
+    if device.type not in ("cpu", "meta") and device.index is None:
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+    return device
+
+
+def _enable_checkpointing(module: torch.nn.Module) -> None:
+    """Recompute each transformer block's activations in backward (non-reentrant checkpoints)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def _check_loss(result: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:
+    """``(loss, metrics)`` from a loss_fn result, checked."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ValueError(
+            f"loss_fn must return (loss, metrics), got {type(result).__name__}; return metrics={{}} "
+            "if it has none."
+        )
+    loss, metrics = result
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+        what = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            what = "a 0-d tensor without gradient"
+        raise ValueError(
+            f"loss_fn must return a 0-d loss tensor computed from outputs (so it carries their gradient), "
+            f"got {what}."
+        )
+    if metrics is None:
+        metrics = {}
+    if not isinstance(metrics, Mapping):
+        raise ValueError(f"loss_fn's metrics must be a dict (or None), got {type(metrics).__name__}.")
+    return loss, metrics

@@ -1,0 +1,161 @@
+"""``fsdp``: data-parallel training with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Every rank of the process group runs one engine on its share of the global batch. The model is
+sharded per transformer block (the classes the model lists in ``_no_split_modules``) plus the
+root (embeddings, final norm, heads): each rank keeps 1/``dp_size`` of every parameter, of its
+gradient and of the optimizer state, and a block's weights are all-gathered just for its
+forward and backward. Gradients are reduce-scattered as averages over the ranks, which is the
+convention of :mod:`trellis.algorithms.aggregation` (each rank's loss carries a ``× dp_size``).
+
+Mixed precision: parameters are float32; with ``model.dtype`` bfloat16/float16 FSDP casts them
+for compute and reduces gradients in float32.
+
+The caller initialises ``torch.distributed`` first (every rank: ``init_process_group`` with
+``gloo`` on CPU, ``nccl`` on CUDA — :func:`trellis.device.get_communication_backend` — and, on
+an accelerator, sets the rank's device). Every rank loads the checkpoint and keeps its shards.
+Everything an engine does on a batch involves collectives: all ranks must call the same methods
+in the same order (``forward``, ``forward_backward``, ``optimizer_step``, ``iter_full_params``
+to its end), with batches of at least one row each.
+
+``state_dict()`` holds this rank's shards as plain tensors (``torch.save`` one file per rank);
+``load_state_dict`` takes them back into an engine with the same ``dp_size``. For a full
+checkpoint (any size, or Hugging Face format) use ``iter_full_params``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from trellis.engine.base import EngineError, TrainingEngine
+from trellis.engine.models import decoder_layers
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class FSDPEngine(TrainingEngine):
+    """A :class:`~trellis.engine.base.TrainingEngine` sharded with FSDP2 (registered as ``fsdp``).
+
+    ``FSDPEngine(model_config, role_config, role="actor", total_steps=None, device=None,
+    process_group=None, seed=0)``: ``process_group`` is the data-parallel group, None = the
+    default group.
+
+    Raises:
+        EngineError: ``torch.distributed`` is not initialised.
+    """
+
+    name = "fsdp"
+
+    def _init_parallel(self, process_group: Any) -> tuple[int, int]:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise EngineError(
+                "The fsdp engine needs torch.distributed: call torch.distributed.init_process_group(backend, "
+                "...) in every rank first (backend: trellis.device.get_communication_backend(), gloo on "
+                "CPU), or use the 'single' engine for one process."
+            )
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+
+    def _wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.dtype == torch.float32:
+            policy = MixedPrecisionPolicy()
+        else:
+            policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        # No module.to(device) first: fully_shard moves one block at a time, so the whole model is
+        # never on the device unsharded.
+        for layer in decoder_layers(module):
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
+        fully_shard(module, mesh=self.mesh, mp_policy=policy)
+        return module
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        tensor = tensor.detach().to(self.device, copy=True)
+        dist.all_reduce(tensor, op=_OPS[op], group=self.process_group)
+        return tensor
+
+    def _union_keys(self, keys: list[str]) -> list[str]:
+        gathered: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(gathered, sorted(keys), group=self.process_group)
+        return sorted({key for rank_keys in gathered for key in rank_keys})
+
+    def _compute_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts the parameters
+
+    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    # ---------------------------------------------------------------- sharded state
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        return {key: _local(value) for key, value in self.model.state_dict().items()}
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        state = self.optimizer.state_dict()
+        return {
+            "state": {
+                index: {key: _local(value) for key, value in entry.items()}
+                for index, entry in state["state"].items()
+            },
+            "param_groups": state["param_groups"],
+        }
+
+    def _load_model_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        live = self.model.state_dict()
+        missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
+        if missing or unexpected:
+            raise ValueError(
+                f"load_state_dict: the model state does not match this model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}. Load a state saved by an engine of the same model."
+            )
+        with torch.no_grad():
+            for key, value in state.items():
+                target = _local(live[key])
+                if target.shape != value.shape:
+                    raise ValueError(
+                        f"load_state_dict: shard {key!r} has shape {tuple(value.shape)} in the state but "
+                        f"{tuple(target.shape)} here; load each rank's own state into an engine of the same "
+                        "dp_size."
+                    )
+                target.copy_(value)
+
+    def _load_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        entries = {}
+        for index, entry in state["state"].items():
+            param = params[int(index)]
+            # tensors shaped like the parameter's shard (Adam's moments) become DTensors like it
+            entries[index] = {key: _like(value, param, key) for key, value in entry.items()}
+        self.optimizer.load_state_dict({"state": entries, "param_groups": state["param_groups"]})
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _like(value: Any, param: torch.Tensor, key: str) -> Any:
+    """``value`` (a local shard) as a DTensor sharded like ``param``; scalars and non-tensors as they are."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or not isinstance(param, DTensor):
+        return value
+    local = param.to_local()
+    if value.shape != local.shape:
+        raise ValueError(
+            f"load_state_dict: optimizer state {key!r} has shape {tuple(value.shape)} but this rank's "
+            f"parameter shard is {tuple(local.shape)}; load each rank's own state into an engine of the "
+            "same dp_size."
+        )
+    return DTensor.from_local(
+        value.to(local.device),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )

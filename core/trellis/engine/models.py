@@ -1,0 +1,111 @@
+"""The models an engine trains: a causal LM (actor, reference) or a value model (critic).
+
+The value model is the Hugging Face ``AutoModelForTokenClassification`` of the policy's
+architecture with one label: the LM backbone plus a linear head ``score`` (hidden → 1) in
+place of the LM head. The backbone loads from the causal-LM checkpoint; the head (missing there)
+is initialised by the architecture's own init, seeded, so every rank and every engine gets the
+same head. Parameter names stay Hugging Face's (``model.layers.0...``, ``score.weight``), and a
+saved critic reloads with the same class. Its dropout is set to 0: values must not depend on
+whether the model is in train or eval mode.
+
+Weights are always loaded in float32 (the optimizer's master copy); ``model.dtype`` is the
+compute dtype, applied by the engine (autocast, or FSDP's mixed precision).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trellis.engine import packing
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(name: Any) -> torch.dtype:
+    """The torch dtype named by ``model.dtype`` (``"bfloat16"``, ...; a torch dtype passes through).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype {name!r} is not supported; use one of {list(DTYPES)}.")
+    return DTYPES[name]
+
+
+def load_model(
+    model_config: Any, *, value_model: bool = False, path: str | None = None, seed: int = 0
+) -> Any:
+    """Load the float32 model of ``model_config`` on CPU.
+
+    Args:
+        model_config: a ``ModelConfig`` (or anything with its keys): ``path``, ``attn_implementation``,
+            ``trust_remote_code``, ``override_config``.
+        value_model: load the value model (token classification, 1 label) instead of the causal LM.
+        path: weights to load instead of ``model_config.path`` (e.g. ``critic.model_path``).
+        seed: seeds the initialisation of weights the checkpoint lacks (the value head), without
+            touching the caller's random state.
+
+    Raises:
+        ValueError: no path; an architecture without a token-classification class (for a critic).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    path = path or _get(model_config, "path", None)
+    if not path:
+        raise ValueError(
+            "model.path is not set: name the model to train, a Hugging Face hub id or a local folder."
+        )
+    trust = bool(_get(model_config, "trust_remote_code", False))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    for key, value in dict(_get(model_config, "override_config", None) or {}).items():
+        setattr(config, key, value)
+    if value_model:
+        config.num_labels = 1
+        config.classifier_dropout = 0.0
+        auto_class = AutoModelForTokenClassification
+    else:
+        auto_class = AutoModelForCausalLM
+    attn_implementation = _get(model_config, "attn_implementation", "sdpa")
+    if attn_implementation == "sdpa" and _get(model_config, "use_remove_padding", False):
+        # Packed sequences through sdpa need a 4-D mask: attention over total² positions. Our
+        # per-sequence sdpa gives the same numbers and is 1.5-2x faster (benchmarks/packing.py).
+        attn_implementation = packing.VARLEN_SDPA
+    if attn_implementation == packing.VARLEN_SDPA:  # ours: registered with transformers on first use
+        packing.register_varlen_sdpa()
+    kwargs = {
+        "config": config,
+        "dtype": torch.float32,
+        "attn_implementation": attn_implementation,
+        "trust_remote_code": trust,
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return auto_class.from_pretrained(path, **kwargs)
+        except ValueError as exc:
+            if value_model and "Unrecognized configuration class" in str(exc):
+                raise ValueError(
+                    f"The critic needs a token-classification (value head) class for model type "
+                    f"{config.model_type!r}, and transformers has none; use a critic.model_path of an "
+                    "architecture that has one (Llama, Qwen2, Mistral, ...)."
+                ) from exc
+            raise
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks: modules whose class the model lists in ``_no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def _get(config: Any, key: str, default: Any) -> Any:
+    if config is None:
+        return default
+    value = (
+        config.get(key, default) if callable(getattr(config, "get", None)) else getattr(config, key, default)
+    )
+    return default if value is None else value

@@ -1,0 +1,226 @@
+"""FSDPEngine: two gloo processes on a split global batch against one ``single`` process on all of it.
+
+Both runs must agree on the forward outputs, the loss, the gradient norm and every updated
+weight (to 1e-5), for ``token-mean`` and ``seq-mean-token-mean`` aggregation with gradient
+accumulation, for packed sequences with dynamic micro-batches on unevenly split shares (one
+rank then runs zero-weight dummy micro-batches), and for a critic. The two processes also check
+that a sharded ``state_dict`` saved and loaded into fresh engines resumes bit-identically.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine_base import make_batch, policy_loss_fn
+
+from trellis.config.schema import ActorConfig, CriticConfig, ModelConfig, OptimConfig
+
+WORLD = 2
+GLOBAL_BATCH = 8
+
+# name -> (role, loss mode, packed, token budget or None, rows of rank 0 (rank 1: the rest), model settings)
+CASES = {
+    "token-mean": ("actor", "token-mean", False, None, 4, {}),
+    "seq-mean-token-mean": ("actor", "seq-mean-token-mean", False, None, 4, {}),
+    "packed-dynamic-uneven": ("actor", "token-mean", True, 20, 6, {}),
+    "critic": ("critic", "token-mean", True, None, 4, {}),
+    "checkpointed": ("actor", "token-mean", True, None, 4, {"gradient_checkpointing": True}),
+    "bfloat16": ("actor", "token-mean", True, None, 4, {"dtype": "bfloat16"}),
+}
+TOLERANCE = {"bfloat16": 5e-2}  # FSDP casts the weights, single autocasts the ops: close, not equal
+
+
+def _value_loss_fn(outputs, micro, info):
+    from trellis.algorithms.policy_loss import compute_value_loss
+
+    b = micro.batch
+    return compute_value_loss(
+        outputs["values"],
+        b["returns"],
+        b["values"],
+        b["response_mask"],
+        0.5,
+        "token-mean",
+        {"global_batch_info": info},
+    )
+
+
+def _build(engine_cls, path, case, **kwargs):
+    role, _, packed, budget, _, settings = CASES[case]
+    model = ModelConfig(path=path, use_remove_padding=packed, **{"dtype": "float32", **settings})
+    section = CriticConfig if role == "critic" else ActorConfig
+    role_config = section(
+        ppo_micro_batch_size_per_device=2,
+        use_dynamic_bsz=budget is not None,
+        max_token_len_per_micro_batch=budget or 16384,
+        optim=OptimConfig(lr=1e-2),
+    )
+    return engine_cls(model, role_config, role=role, device="cpu", **kwargs)
+
+
+def _run_case(engine, case, rows):
+    """One step on ``rows`` of the global batch: forward, forward_backward, optimizer_step, full params."""
+    role, mode, *_ = CASES[case]
+    batch = make_batch(GLOBAL_BATCH)[rows]
+    outputs = engine.forward(batch)
+    loss_fn = _value_loss_fn if role == "critic" else policy_loss_fn(mode)
+    metrics = engine.forward_backward(batch, loss_fn)
+    step = engine.optimizer_step()
+    params = {name: tensor.clone() for name, tensor in engine.iter_full_params()}
+    return {"outputs": outputs, "metrics": metrics, "step": step, "params": params}
+
+
+def _steps(engine, rows, seeds):
+    losses = []
+    for seed in seeds:
+        engine.zero_grad()
+        batch = make_batch(GLOBAL_BATCH, seed=seed)[rows]
+        losses.append(engine.forward_backward(batch, policy_loss_fn("seq-mean-token-mean"))["loss"])
+        engine.optimizer_step()
+    return losses, {name: tensor.clone() for name, tensor in engine.iter_full_params()}
+
+
+def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
+    """One rank of the two-process run; writes its results to ``out_dir/rank{rank}.pt``."""
+    import torch.distributed as dist
+
+    from trellis.engine.fsdp import FSDPEngine
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=90),
+    )
+    try:
+        results = {}
+        for case, (*_, first_rows, _) in CASES.items():
+            rows = list(range(first_rows)) if rank == 0 else list(range(first_rows, GLOBAL_BATCH))
+            results[case] = _run_case(_build(FSDPEngine, path, case), case, rows)
+
+        # resume: step, offload round trip, save this rank's shards; 2 more steps vs. a fresh engine
+        rows = [rank * 4 + i for i in range(4)]
+        engine = _build(FSDPEngine, path, "token-mean")
+        _steps(engine, rows, seeds=[0])
+        engine.to("cpu")
+        state_file = Path(out_dir) / f"state{rank}.pt"
+        torch.save(engine.state_dict(), state_file)
+        expected = _steps(engine, rows, seeds=[1, 2])
+        fresh = _build(FSDPEngine, path, "token-mean")
+        fresh.load_state_dict(torch.load(state_file, weights_only=False))
+        results["resume"] = {"expected": expected, "resumed": _steps(fresh, rows, seeds=[1, 2])}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tiny_model_path, tmp_path_factory):
+    """Run the two ranks as fresh interpreters; their results, per rank."""
+    out_dir = tmp_path_factory.mktemp("fsdp")
+    port = _free_port()
+    tests_dir = str(Path(__file__).parent)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    procs = []
+    try:
+        for rank in range(WORLD):
+            code = (
+                f"import sys; sys.path.insert(0, {tests_dir!r}); import test_engine_fsdp as t; "
+                f"t._worker({rank}, {port}, {tiny_model_path!r}, {str(out_dir)!r})"
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                )
+            )
+        logs = [proc.communicate(timeout=180)[0].decode(errors="replace") for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} failed (exit {proc.returncode}):\n{log[-4000:]}"
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fsdp_matches_single(fsdp_results, tiny_model_path, case):
+    from trellis.engine.single import SingleEngine
+
+    expected = _run_case(_build(SingleEngine, tiny_model_path, case), case, list(range(GLOBAL_BATCH)))
+    ranks = [results[case] for results in fsdp_results]
+    tol = TOLERANCE.get(case, 1e-5)
+    # forward: the ranks' shares, concatenated, are the whole batch's outputs
+    for key, value in expected["outputs"].items():
+        torch.testing.assert_close(torch.cat([r["outputs"][key] for r in ranks]), value, atol=tol, rtol=0)
+    for r in ranks:  # every rank reports the global figures
+        assert r["metrics"]["loss"] == pytest.approx(expected["metrics"]["loss"], abs=tol)
+        assert r["metrics"].keys() == expected["metrics"].keys()
+        for key, value in expected["metrics"].items():
+            assert r["metrics"][key] == pytest.approx(value, abs=tol), key
+        assert r["step"]["grad_norm"] == pytest.approx(expected["step"]["grad_norm"], abs=tol)
+        assert r["step"]["stepped"] and r["step"]["lr"] == expected["step"]["lr"]
+        assert r["params"].keys() == expected["params"].keys()
+        for name, tensor in expected["params"].items():
+            torch.testing.assert_close(r["params"][name], tensor, atol=tol, rtol=0, msg=name)
+    moved = [
+        name
+        for name, tensor in expected["params"].items()
+        if not torch.equal(tensor, _initial(tiny_model_path, case)[name])
+    ]
+    assert len(moved) >= len(expected["params"]) - 1  # the step really changed the weights
+
+
+def test_fsdp_resume_is_bit_identical(fsdp_results):
+    for results in fsdp_results:
+        (expected_losses, expected_params), (losses, params) = (
+            results["resume"]["expected"],
+            results["resume"]["resumed"],
+        )
+        assert losses == expected_losses
+        for name, tensor in expected_params.items():
+            assert torch.equal(params[name], tensor), name
+
+
+_INITIAL: dict = {}
+
+
+def _initial(path, case):
+    role = CASES[case][0]
+    if role not in _INITIAL:
+        from trellis.engine.single import SingleEngine
+
+        _INITIAL[role] = dict(_build(SingleEngine, path, case).iter_full_params())
+    return _INITIAL[role]
+
+
+def test_fsdp_needs_torch_distributed(tiny_model_path):
+    from trellis.engine.base import EngineError
+    from trellis.engine.fsdp import FSDPEngine
+    from trellis.registries import training_engines
+
+    assert training_engines.get("fsdp") is FSDPEngine
+    with pytest.raises(EngineError, match=r"call torch.distributed.init_process_group.*'single' engine"):
+        _build(FSDPEngine, tiny_model_path, "token-mean")
