@@ -18,8 +18,9 @@ nox.options.reuse_existing_virtualenvs = True
 # while an unpinned resolve would pull a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
 FIXTURES = ["tests/fixtures/good", "tests/fixtures/broken"]
-# First-party plugins live in plugins/<name>, each with its own tests/ run by the tests session.
-PLUGINS = ["plugins/npu"]
+# First-party plugins (plugins/<name>) and contrib components, each its own distribution with its
+# own tests/, installed and tested by the tests session.
+PLUGINS = ["plugins/npu", "contrib/math-verify"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
