@@ -12,5 +12,6 @@ Each contract is a plain class of ``test_*`` methods; pytest collects them throu
 
 from trellis.testing.device import DeviceBackendContract
 from trellis.testing.registry import RegistryEntryContract
+from trellis.testing.rollout import RolloutReplicaContract
 
-__all__ = ["DeviceBackendContract", "RegistryEntryContract"]
+__all__ = ["DeviceBackendContract", "RegistryEntryContract", "RolloutReplicaContract"]

@@ -1,0 +1,174 @@
+"""Throughput of the hf rollout replica: coalesced requests vs one generate per request vs one direct batch.
+
+    python benchmarks/rollout.py [--requests 64] [--max-tokens 32] [--repeats 3] [--threads 0] [--no-smollm2]
+
+Each side generates ``--requests`` responses (temperature 1.0, ``--max-tokens`` new tokens) for
+prompts of uneven length, in fp32:
+
+- coalesced: ``HFRolloutReplica.generate`` called concurrently for every request (the replica
+  batches them into as few ``model.generate`` calls as it can), log-probs on.
+- per-request: the same replica with ``engine_kwargs.max_batch_size=1``: one ``model.generate``
+  per request, no coalescing.
+- direct (limit): one ``model.generate(do_sample=True)`` over all prompts, left-padded, no
+  log-probs — the limit a batching replica can approach; the ratios are against it.
+- direct greedy: the same with ``do_sample=False``: the model's own cost without transformers'
+  sampling machinery (which, on small vocabularies, costs more than the tiny model itself).
+
+Tokens/s counts generated tokens (up to and including eos). Time is the median of ``--repeats``
+runs after one warm-up. Models: the tiny test model (built into a temporary folder) and
+SmolLM2-135M-Instruct when ``trellis.utils.demo_model.smollm2_path()`` can provide it (one
+repeat; skipped with a note otherwise). Target: coalesced >= 0.8x direct. A measurement, never
+a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from trellis.config.schema import ModelConfig, RolloutConfig
+from trellis.rollout import SamplingParams
+from trellis.rollout.hf import HFRolloutReplica
+
+TEXTS = ["What is 12 + 7?", "Compute 3 * 4 - 5. First", "The quick brown fox jumps", "system You are a"]
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer(TEXTS[i % 4] + " 1" * (i % 7))["input_ids"] for i in range(n)]
+
+
+def time_replica(model, tokenizer, ps, max_tokens, repeats, **engine_kwargs) -> tuple[float, int]:
+    """Median seconds and generated tokens of ``len(ps)`` concurrent generate calls."""
+
+    async def once(replica) -> int:
+        sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=True)
+        outs = await asyncio.gather(*(replica.generate(p, sp, f"r{i}") for i, p in enumerate(ps)))
+        return sum(len(o.token_ids) for o in outs)
+
+    async def main() -> tuple[float, int]:
+        replica = HFRolloutReplica(0, RolloutConfig(seed=0, engine_kwargs=engine_kwargs), ModelConfig())
+        await replica.init("hybrid", model=model, tokenizer=tokenizer)
+        await once(replica)  # warm-up
+        times, tokens = [], 0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            tokens = await once(replica)
+            times.append(time.perf_counter() - start)
+        await replica.shutdown()
+        return statistics.median(times), tokens
+
+    return asyncio.run(main())
+
+
+def time_direct(model, tokenizer, ps, max_tokens, repeats, do_sample=True) -> tuple[float, int]:
+    """Median seconds and generated tokens of one left-padded ``model.generate`` over ``ps``."""
+    width = max(len(p) for p in ps)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(ps), width), pad)
+    mask = torch.zeros((len(ps), width), dtype=torch.long)
+    for i, p in enumerate(ps):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [tokenizer.eos_token_id])
+
+    sampling = (
+        dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if do_sample else {"do_sample": False}
+    )
+
+    def once() -> int:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, pad_token_id=pad,
+                **sampling,
+            )  # fmt: skip
+        tokens = 0
+        for row in out[:, width:].tolist():
+            for tok in row:
+                tokens += 1
+                if tok in eos:
+                    break
+        return tokens
+
+    once()
+    times, tokens = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = once()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), tokens
+
+
+def bench(label, path, args, repeats) -> list[tuple]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ps = prompts(tokenizer, args.requests)
+    runs = {
+        "direct (limit)": lambda: time_direct(model, tokenizer, ps, args.max_tokens, repeats),
+        "coalesced": lambda: time_replica(model, tokenizer, ps, args.max_tokens, repeats),
+        "per-request": lambda: time_replica(model, tokenizer, ps, args.max_tokens, repeats, max_batch_size=1),
+        "direct greedy": lambda: time_direct(model, tokenizer, ps, args.max_tokens, repeats, do_sample=False),
+    }
+    sides = {}
+    for side, fn in runs.items():
+        sides[side] = fn()
+        print(f"  {label} {side}: {sides[side][0]:.3f} s", file=sys.stderr, flush=True)
+    limit = sides["direct (limit)"][1] / sides["direct (limit)"][0]
+    return [
+        (label, side, secs, toks, toks / secs, toks / secs / limit) for side, (secs, toks) in sides.items()
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-smollm2", action="store_true", help="benchmark the tiny model only")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0 = torch's default); 1 is steadiest on shared cores",
+    )
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from trellis.testing.tiny import save_tiny_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        rows += bench("tiny", save_tiny_model(tmp), args, args.repeats)
+    note = ""
+    if args.no_smollm2:
+        note = "SmolLM2 skipped (--no-smollm2)."
+    else:
+        try:
+            from trellis.utils.demo_model import smollm2_path
+
+            path = smollm2_path()
+        except (ModuleNotFoundError, FileNotFoundError) as exc:
+            note = f"SmolLM2 skipped: {exc}"
+        else:
+            rows += bench("SmolLM2-135M", path, args, 1)
+
+    print(f"\n{args.requests} concurrent requests, {args.max_tokens} new tokens max, temperature 1.0, fp32, "
+          f"{torch.get_num_threads()} torch threads")  # fmt: skip
+    print(f"{'model':<14} {'side':<16} {'seconds':>8} {'tokens':>7} {'tokens/s':>10} {'x direct':>9}")
+    for label, side, secs, toks, rate, ratio in rows:
+        print(f"{label:<14} {side:<16} {secs:>8.3f} {toks:>7d} {rate:>10.0f} {ratio:>8.2f}x")
+    if note:
+        print(note)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The rollout-replica protocol: one generation server, driven by asyncio from the trainer.
+
+A replica is built as ``cls(replica_rank, rollout_config, model_config)`` and then awaited
+through its lifecycle::
+
+    replica = get_rollout_replica_class("hf")(0, cfg.rollout, cfg.model)
+    await replica.init("hybrid", model=policy_module, tokenizer=tokenizer)
+    out = await replica.generate(prompt_ids, SamplingParams(max_tokens=64), request_id="r0")
+    await replica.sleep()                 # training runs; generation memory is released
+    await replica.update_weights(engine.iter_full_params())
+    await replica.wake_up()
+
+Modes (``rollout.mode``):
+
+- ``hybrid``: the replica lives in a training worker's process and shares its weights; the
+  caller passes the model object to ``init``.
+- ``colocated``: own copy of the weights, on the same devices as training.
+- ``standalone``: own copy on devices of its own.
+
+Backends that serve over the network expose ``server_address`` (``"host:port"``); in-process
+ones return None.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from typing import Any
+
+from trellis.rollout.sampling import SamplingParams, TokenOutput
+
+MODES = ("hybrid", "colocated", "standalone")
+"""The deployment modes every replica accepts in :meth:`RolloutReplica.init`."""
+
+
+class RolloutReplica(abc.ABC):
+    """Base class of generation backends (registry ``trellis.rollout_replicas``).
+
+    Args:
+        replica_rank: index of this replica among the trainer's replicas.
+        rollout_config: a :class:`trellis.config.schema.RolloutConfig` (``engine_kwargs`` carries
+            backend options).
+        model_config: a :class:`trellis.config.schema.ModelConfig` (``path``, ``dtype``, ...).
+    """
+
+    def __init__(self, replica_rank: int, rollout_config: Any, model_config: Any) -> None:
+        self.replica_rank = replica_rank
+        self.rollout_config = rollout_config
+        self.model_config = model_config
+        self.mode: str | None = None
+
+    @staticmethod
+    def check_mode(mode: str) -> str:
+        """``mode`` itself when it is one of :data:`MODES`; else ``ValueError`` listing them."""
+        if mode not in MODES:
+            raise ValueError(f"Unknown rollout mode {mode!r}; expected one of: {', '.join(MODES)}.")
+        return mode
+
+    @abc.abstractmethod
+    async def init(
+        self, mode: str = "hybrid", *, model: Any = None, tokenizer: Any = None, device: Any = None
+    ) -> None:
+        """Start the replica in ``mode`` (one of :data:`MODES`).
+
+        ``model`` / ``tokenizer`` are the training worker's objects (hybrid); otherwise the replica
+        loads its own from ``model_config.path``. ``device`` is where it runs (default: the
+        backend's choice). Raises ``ValueError`` for an unknown mode or a missing model.
+        """
+
+    @abc.abstractmethod
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
+    ) -> TokenOutput:
+        """The response to ``prompt_ids`` (token ids, no padding). Concurrent calls are allowed."""
+
+    @abc.abstractmethod
+    async def sleep(self) -> None:
+        """Release generation memory (KV cache, possibly weights) so training can use it."""
+
+    @abc.abstractmethod
+    async def wake_up(self) -> None:
+        """Restore what :meth:`sleep` released; generation works again afterwards."""
+
+    @abc.abstractmethod
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load ``(name, tensor)`` pairs (Hugging Face parameter names) into the served model in place."""
+
+    @property
+    def server_address(self) -> str | None:
+        """``"host:port"`` of the replica's server, or None for an in-process backend."""
+        return None
