@@ -142,16 +142,21 @@ class HFRolloutReplica(RolloutReplica):
             trust_remote_code=bool(getattr(mc, "trust_remote_code", False)),
         )
 
+    @property
+    def _offloads(self) -> bool:
+        """Whether sleep moves the weights to host memory: only a private copy on an accelerator."""
+        return (
+            self.model is not None
+            and self.mode != "hybrid"
+            and self.device is not None
+            and self.device.type != "cpu"
+        )
+
     async def sleep(self) -> None:
         async with self._get_lock():
             import torch
 
-            if (
-                self.model is not None
-                and self.mode != "hybrid"
-                and self.device is not None
-                and self.device.type != "cpu"
-            ):
+            if self._offloads:
                 self.model.to("cpu")
             gc.collect()
             if self.device is not None and self.device.type == "cuda":
@@ -160,12 +165,7 @@ class HFRolloutReplica(RolloutReplica):
 
     async def wake_up(self) -> None:
         async with self._get_lock():
-            if (
-                self.model is not None
-                and self.mode != "hybrid"
-                and self.device is not None
-                and self.device.type != "cpu"
-            ):
+            if self._offloads:
                 self.model.to(self.device)
             self.asleep = False
 
