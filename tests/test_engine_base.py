@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trellis.algorithms.aggregation import agg_loss
+from trellis.algorithms.policy_loss import compute_value_loss
 from trellis.config.schema import ActorConfig, CriticConfig, ModelConfig, OptimConfig, RefConfig
 from trellis.data.protocol import DataProto
 from trellis.engine.base import EngineError
@@ -295,8 +296,21 @@ def test_batch_errors(tiny_model_path):
 # ---------------------------------------------------------------- critic and ref
 
 
+def value_loss_fn(outputs, micro, info):
+    """Clipped value loss (cliprange 0.5, token-mean) over the global batch."""
+    b = micro.batch
+    return compute_value_loss(
+        outputs["values"],
+        b["returns"],
+        b["values"],
+        b["response_mask"],
+        0.5,
+        "token-mean",
+        {"global_batch_info": info},
+    )
+
+
 def test_critic_values_and_gradient_flow(tiny_model_path):
-    from trellis.algorithms.policy_loss import compute_value_loss
 
     critic = engine(tiny_model_path, role="critic", packed=True, mbs=3)
     batch = make_batch(5)
@@ -306,19 +320,7 @@ def test_critic_values_and_gradient_flow(tiny_model_path):
     torch.testing.assert_close(values, padded, atol=1e-5, rtol=0)
     assert [name for name, _ in critic.model.named_parameters()][-2:] == ["score.weight", "score.bias"]
 
-    def value_loss(outputs, micro, info):
-        b = micro.batch
-        return compute_value_loss(
-            outputs["values"],
-            b["returns"],
-            b["values"],
-            b["response_mask"],
-            0.5,
-            "token-mean",
-            {"global_batch_info": info},
-        )
-
-    metrics = critic.forward_backward(batch, value_loss)
+    metrics = critic.forward_backward(batch, value_loss_fn)
     assert metrics["loss"] > 0 and "critic/vf_clipfrac" in metrics
     g = grads(critic)
     assert g["score.weight"].abs().sum() > 0 and g["model.layers.0.mlp.up_proj.weight"].abs().sum() > 0

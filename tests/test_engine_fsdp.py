@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_base import make_batch, policy_loss_fn
+from test_engine_base import make_batch, policy_loss_fn, value_loss_fn
 
 from trellis.config.schema import ActorConfig, CriticConfig, ModelConfig, OptimConfig
 
@@ -35,21 +35,6 @@ CASES = {
     "bfloat16": ("actor", "token-mean", True, None, 4, {"dtype": "bfloat16"}),
 }
 TOLERANCE = {"bfloat16": 5e-2}  # FSDP casts the weights, single autocasts the ops: close, not equal
-
-
-def _value_loss_fn(outputs, micro, info):
-    from trellis.algorithms.policy_loss import compute_value_loss
-
-    b = micro.batch
-    return compute_value_loss(
-        outputs["values"],
-        b["returns"],
-        b["values"],
-        b["response_mask"],
-        0.5,
-        "token-mean",
-        {"global_batch_info": info},
-    )
 
 
 def _build(engine_cls, path, case, **kwargs):
@@ -70,7 +55,7 @@ def _run_case(engine, case, rows):
     role, mode, *_ = CASES[case]
     batch = make_batch(GLOBAL_BATCH)[rows]
     outputs = engine.forward(batch)
-    loss_fn = _value_loss_fn if role == "critic" else policy_loss_fn(mode)
+    loss_fn = value_loss_fn if role == "critic" else policy_loss_fn(mode)
     metrics = engine.forward_backward(batch, loss_fn)
     step = engine.optimizer_step()
     params = {name: tensor.clone() for name, tensor in engine.iter_full_params()}
