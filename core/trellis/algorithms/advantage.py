@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trellis.algorithms._config import config_value
+from trellis._config import config_value
 from trellis.algorithms.masked import masked_sum, masked_whiten
 
 __all__ = [

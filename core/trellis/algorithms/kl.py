@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trellis.algorithms._config import config_value
+from trellis._config import config_value
 
 __all__ = [
     "KL_KINDS",

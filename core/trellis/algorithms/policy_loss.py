@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from trellis.algorithms._config import config_value
+from trellis._config import config_value
 from trellis.algorithms.aggregation import agg_loss
 from trellis.algorithms.masked import masked_mean
 

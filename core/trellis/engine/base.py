@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from trellis._config import setting
 from trellis.algorithms.logprobs import logprobs_and_entropy_from_logits, logprobs_from_logits
 from trellis.data.protocol import DataProto
 from trellis.engine import packing
@@ -112,12 +113,12 @@ class TrainingEngine:
         self.model_config = model_config
         self.role_config = role_config if role_config is not None else _default_role_config(role)
         self.device = _resolve_device(device)
-        self.dtype = compute_dtype(_get(model_config, "dtype", "bfloat16"))
-        self.use_remove_padding = bool(_get(model_config, "use_remove_padding", False))
+        self.dtype = compute_dtype(setting(model_config, "dtype", "bfloat16"))
+        self.use_remove_padding = bool(setting(model_config, "use_remove_padding", False))
         self.micro_batch_size, self.max_tokens, self.grad_clip = _batching(role, self.role_config)
         self.dp_rank, self.dp_size = self._init_parallel(process_group)
 
-        attn = _get(model_config, "attn_implementation", "sdpa")
+        attn = setting(model_config, "attn_implementation", "sdpa")
         packable = packing.MASK_IMPLEMENTATIONS + packing.VARLEN_IMPLEMENTATIONS
         if self.use_remove_padding and attn not in packable:
             raise ValueError(
@@ -126,20 +127,20 @@ class TrainingEngine:
                 "set use_remove_padding false."
             )
 
-        path = _get(self.role_config, "model_path", None) if role == "critic" else None
+        path = setting(self.role_config, "model_path", None) if role == "critic" else None
         module = load_model(model_config, value_model=role == "critic", path=path, seed=seed)
         self.attn_implementation = module.config._attn_implementation
         self._logits_to_keep = "logits_to_keep" in inspect.signature(module.forward).parameters
         if role == "ref":
             module.requires_grad_(False)
-        elif _get(model_config, "gradient_checkpointing", False):
+        elif setting(model_config, "gradient_checkpointing", False):
             _enable_checkpointing(module)
         self.model = self._wrap_model(module)
 
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if role != "ref":
-            optim_config = _get(self.role_config, "optim", None)
+            optim_config = setting(self.role_config, "optim", None)
             self.optimizer = build_optimizer(self.model.parameters(), optim_config)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config, total_steps)
         self.global_step = 0
@@ -546,16 +547,6 @@ class TrainingEngine:
 # ---------------------------------------------------------------- helpers
 
 
-def _get(config: Any, key: str, default: Any) -> Any:
-    """``config[key]`` from a dict or config object, else ``default`` (also for a None value)."""
-    if config is None:
-        return default
-    value = (
-        config.get(key, default) if callable(getattr(config, "get", None)) else getattr(config, key, default)
-    )
-    return default if value is None else value
-
-
 def _default_role_config(role: str) -> Any:
     from trellis.config.schema import ActorConfig, CriticConfig, RefConfig
 
@@ -565,18 +556,18 @@ def _default_role_config(role: str) -> Any:
 def _batching(role: str, config: Any) -> tuple[int, int | None, float]:
     """(rows per micro-batch, token budget per micro-batch or None, grad clip) of a role's config."""
     key = "log_prob_micro_batch_size_per_device" if role == "ref" else "ppo_micro_batch_size_per_device"
-    micro_batch_size = _get(config, key, None) or _get(config, "ppo_micro_batch_size_per_device", 4)
+    micro_batch_size = setting(config, key, None) or setting(config, "ppo_micro_batch_size_per_device", 4)
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"{role}.{key}={micro_batch_size!r} must be a positive number of rows.")
     max_tokens = None
-    if _get(config, "use_dynamic_bsz", False):
-        max_tokens = _get(config, "max_token_len_per_micro_batch", None)
+    if setting(config, "use_dynamic_bsz", False):
+        max_tokens = setting(config, "max_token_len_per_micro_batch", None)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(
                 f"{role}.max_token_len_per_micro_batch={max_tokens!r} must be a positive number of tokens "
                 "with use_dynamic_bsz."
             )
-    grad_clip = float(_get(config, "grad_clip", 1.0))
+    grad_clip = float(setting(config, "grad_clip", 1.0))
     if not grad_clip > 0:
         raise ValueError(f"{role}.grad_clip={grad_clip!r} must be > 0.")
     return micro_batch_size, max_tokens, grad_clip

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from trellis._config import setting
 from trellis.engine import packing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,14 +55,14 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    path = path or _get(model_config, "path", None)
+    path = path or setting(model_config, "path", None)
     if not path:
         raise ValueError(
             "model.path is not set: name the model to train, a Hugging Face hub id or a local folder."
         )
-    trust = bool(_get(model_config, "trust_remote_code", False))
+    trust = bool(setting(model_config, "trust_remote_code", False))
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-    for key, value in dict(_get(model_config, "override_config", None) or {}).items():
+    for key, value in dict(setting(model_config, "override_config", None) or {}).items():
         setattr(config, key, value)
     if value_model:
         config.num_labels = 1
@@ -69,8 +70,8 @@ def load_model(
         auto_class = AutoModelForTokenClassification
     else:
         auto_class = AutoModelForCausalLM
-    attn_implementation = _get(model_config, "attn_implementation", "sdpa")
-    if attn_implementation == "sdpa" and _get(model_config, "use_remove_padding", False):
+    attn_implementation = setting(model_config, "attn_implementation", "sdpa")
+    if attn_implementation == "sdpa" and setting(model_config, "use_remove_padding", False):
         # Packed sequences through sdpa need a 4-D mask: attention over total² positions. Our
         # per-sequence sdpa gives the same numbers and is 1.5-2x faster (benchmarks/packing.py).
         attn_implementation = packing.VARLEN_SDPA
@@ -100,12 +101,3 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's transformer blocks: modules whose class the model lists in ``_no_split_modules``."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     return [module for module in model.modules() if type(module).__name__ in names]
-
-
-def _get(config: Any, key: str, default: Any) -> Any:
-    if config is None:
-        return default
-    value = (
-        config.get(key, default) if callable(getattr(config, "get", None)) else getattr(config, key, default)
-    )
-    return default if value is None else value

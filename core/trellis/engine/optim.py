@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from trellis._config import setting
+
 OPTIMIZERS = ("adamw",)
 SCHEDULES = ("constant", "cosine")
 
@@ -33,18 +35,18 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim_config: Any) -> 
     Raises:
         ValueError: an optimizer name other than ``adamw``; no parameters to optimize.
     """
-    name = str(_get(optim_config, "name", "adamw")).lower()
+    name = str(setting(optim_config, "name", "adamw")).lower()
     if name not in OPTIMIZERS:
         raise ValueError(f"optim.name {name!r} is not supported; use one of {list(OPTIMIZERS)}.")
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("build_optimizer: the model has no trainable parameters (requires_grad=True).")
-    betas = tuple(float(beta) for beta in _get(optim_config, "betas", (0.9, 0.999)))
+    betas = tuple(float(beta) for beta in setting(optim_config, "betas", (0.9, 0.999)))
     return torch.optim.AdamW(
         params,
-        lr=float(_get(optim_config, "lr", 1e-6)),
+        lr=float(setting(optim_config, "lr", 1e-6)),
         betas=betas,
-        weight_decay=float(_get(optim_config, "weight_decay", 0.01)),
+        weight_decay=float(setting(optim_config, "weight_decay", 0.01)),
     )
 
 
@@ -107,10 +109,10 @@ def warmup_steps(optim_config: Any, total_steps: int | None) -> int:
     Raises:
         ValueError: a warm-up ratio > 0 without ``total_steps``.
     """
-    steps = _get(optim_config, "lr_warmup_steps", None)
+    steps = setting(optim_config, "lr_warmup_steps", None)
     if steps is not None:
         return int(steps)
-    ratio = float(_get(optim_config, "lr_warmup_steps_ratio", 0.0))
+    ratio = float(setting(optim_config, "lr_warmup_steps_ratio", 0.0))
     if ratio == 0.0:
         return 0
     if total_steps is None:
@@ -134,17 +136,7 @@ def build_lr_scheduler(
     schedule = LRSchedule(
         warmup_steps(optim_config, total_steps),
         total_steps,
-        kind=str(_get(optim_config, "lr_scheduler", "constant")),
-        min_lr_ratio=float(_get(optim_config, "min_lr_ratio", 0.0)),
+        kind=str(setting(optim_config, "lr_scheduler", "constant")),
+        min_lr_ratio=float(setting(optim_config, "min_lr_ratio", 0.0)),
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def _get(config: Any, key: str, default: Any) -> Any:
-    """``config[key]`` from a dict or config object (``.get``), else ``default``."""
-    if config is None:
-        return default
-    value = (
-        config.get(key, default) if callable(getattr(config, "get", None)) else getattr(config, key, default)
-    )
-    return default if value is None else value
