@@ -375,6 +375,20 @@ class AgentConfig(BaseConfig):
         "Format of tool calls in model output. hermes is the <tool_call> JSON format of Qwen and Hermes "
         "models.",
     )
+    max_parallel_calls: int = knob(
+        1, "Most tool calls run from one assistant turn; further calls in that turn are ignored.", ge=1
+    )
+    max_tool_response_length: int = knob(
+        256, "Longest tool response shown to the model, in characters; longer ones are truncated.", ge=1
+    )
+    tool_response_truncate_side: Literal["left", "right", "middle"] = knob(
+        "middle",
+        "Which part of an over-long tool response is dropped: left keeps the end, right keeps the start, "
+        "middle keeps both ends.",
+    )
+    tool_timeout_s: float = knob(
+        30.0, "Seconds one tool call may run before the model is told it timed out.", gt=0
+    )
 
 
 @dataclass

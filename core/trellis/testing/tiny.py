@@ -14,11 +14,21 @@ from typing import Any
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 
 CHATML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    '</tools>\nCall a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n'
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+"""ChatML; with ``tools`` a system turn lists their schemas, and ``tool`` turns render Qwen-style as user
+turns wrapped in ``<tool_response>``."""
 
 _CORPUS = [
     "What is 12 + 7? Let me think step by step. 12 + 7 = 19. The answer is #### 19",
