@@ -91,3 +91,13 @@ class DeviceUnavailableError(DeviceError):
 
 class EngineError(TrellisError, RuntimeError):
     """A training engine was used in a way its role or state does not allow; the message says the fix."""
+
+
+class CheckpointError(TrellisError, RuntimeError):
+    """A training checkpoint is missing, incomplete or corrupt, or cannot be written; the message
+    names its path."""
+
+
+class WeightSyncError(TrellisError, RuntimeError):
+    """Weights could not be transferred to the rollout replicas (a peer vanished, a bucket did not
+    match, a transport failed); the message names the engine and what went wrong."""

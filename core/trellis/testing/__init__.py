@@ -10,8 +10,14 @@ Each contract is a plain class of ``test_*`` methods; pytest collects them throu
 ``Test*`` subclass. Later contracts (one per component kind) build on this one.
 """
 
+from trellis.testing.checkpoint import CheckpointEngineContract
 from trellis.testing.device import DeviceBackendContract
 from trellis.testing.registry import RegistryEntryContract
 from trellis.testing.rollout import RolloutReplicaContract
 
-__all__ = ["DeviceBackendContract", "RegistryEntryContract", "RolloutReplicaContract"]
+__all__ = [
+    "CheckpointEngineContract",
+    "DeviceBackendContract",
+    "RegistryEntryContract",
+    "RolloutReplicaContract",
+]
