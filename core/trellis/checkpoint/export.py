@@ -1,0 +1,212 @@
+"""Export a training checkpoint as a Hugging Face model folder.
+
+    export_to_hf("runs/p/e/checkpoints/global_step_200", "exported/")    # or: trellis export CKPT --to DIR
+
+The result (``config.json``, tokenizer files, ``model.safetensors``) loads with
+``AutoModelForCausalLM.from_pretrained`` (a critic's with ``AutoModelForTokenClassification``).
+
+Each rank's file holds its engine's model state (:meth:`TrainingEngine.state_dict`). A
+``single`` engine's is whole. An ``fsdp`` engine's holds that rank's shard of every parameter:
+FSDP2 splits each tensor along dim 0 into ``torch.chunk(tensor, world_size)`` pieces (ranks
+past the last piece get empty ones), so the whole tensor is the concatenation of the non-empty
+shards in rank order; tensors FSDP does not shard (buffers) are whole on every rank. The whole
+shapes come from the model's config (the architecture built on the meta device, no memory),
+which tells the two cases apart and checks the result.
+
+The config and tokenizer come from the checkpoint's ``hf/`` folder (saved with
+``CheckpointManager.save(..., hf_files=...)``) or, for checkpoints saved without it, from
+``base_model``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trellis.checkpoint.training import HF_DIR, MANIFEST, _Store, load_rank_file, verify_checkpoint
+from trellis.errors import CheckpointError
+
+__all__ = ["export_to_hf", "merge_model_shards"]
+
+ROLES = ("actor", "critic", "ref")
+
+
+def export_to_hf(
+    ckpt_dir: str | os.PathLike[str],
+    hf_dir: str | os.PathLike[str],
+    *,
+    role: str = "actor",
+    base_model: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Write the ``role`` model of checkpoint ``ckpt_dir`` as a Hugging Face folder ``hf_dir``.
+
+    Args:
+        ckpt_dir: a ``global_step_N`` folder (local path or fsspec URL).
+        hf_dir: the folder to create (local path or URL); it must not exist or be empty.
+        role: the entry of the saved states to export (``"actor"``, ``"critic"``, ``"ref"``).
+        base_model: a Hugging Face folder to take the config and tokenizer from, when the
+            checkpoint has no ``hf/`` folder (or to override it).
+        overwrite: allow a non-empty ``hf_dir`` (files of the same names are replaced).
+
+    Returns:
+        ``hf_dir``.
+
+    Raises:
+        CheckpointError: ``ckpt_dir`` is not a complete checkpoint, holds no ``role`` model, has no
+            config (and no ``base_model``), its shards do not fit the config, or ``hf_dir`` is not
+            empty; the message names the path and the fix.
+    """
+    import torch
+
+    ckpt_dir, hf_dir = os.fspath(ckpt_dir), os.fspath(hf_dir)
+    if role not in ROLES:
+        raise CheckpointError(f"Cannot export role={role!r} of {ckpt_dir!r}: use one of {list(ROLES)}.")
+    manifest = verify_checkpoint(ckpt_dir)
+    out = _Store(hf_dir)
+    if not overwrite and out.listdir():
+        raise CheckpointError(
+            f"Cannot export to {hf_dir!r}: the folder is not empty. Choose a new folder, or pass "
+            "overwrite=True (--force)."
+        )
+    metadata = _metadata_files(ckpt_dir, manifest, base_model)
+    shards: list[dict[str, torch.Tensor]] = []
+    kinds = set()
+    for rank in range(manifest["world_size"]):
+        states = load_rank_file(ckpt_dir, rank, manifest=manifest)
+        engine_state = _role_state(states, role, ckpt_dir, rank)
+        kinds.add(engine_state.get("engine"))
+        shards.append(dict(engine_state["model"]))
+        del states  # keep one rank's optimizer state in memory at a time
+
+    def write(folder: str) -> None:
+        for name, data in metadata.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+        model = _meta_model(folder, role, ckpt_dir)
+        full_shapes = {key: value.shape for key, value in model.state_dict().items()}
+        try:
+            merged = merge_model_shards(shards, full_shapes)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"Cannot export {ckpt_dir!r} ({role}, engine {sorted(map(str, kinds))}): {exc}"
+            ) from None
+        shards.clear()
+        model.load_state_dict(merged, strict=True, assign=True)
+        model.tie_weights()  # assign=True unties shared weights (e.g. tied embeddings); tie them again
+        model.save_pretrained(folder)
+
+    if out.local:
+        os.makedirs(out.full(), exist_ok=True)
+        write(out.full())
+    else:  # write locally, then upload
+        from trellis.utils.fs import copy
+
+        with tempfile.TemporaryDirectory(prefix="trellis-export-") as staging:
+            write(staging)
+            copy(staging, hf_dir)
+    return hf_dir
+
+
+def merge_model_shards(
+    shards: Sequence[Mapping[str, Any]], full_shapes: Mapping[str, Sequence[int]]
+) -> dict[str, Any]:
+    """The whole model state from every rank's model state, in rank order.
+
+    A tensor of the whole shape on every rank is taken from rank 0 (unsharded: one rank, or a
+    buffer); otherwise the non-empty shards are concatenated along dim 0 (FSDP2's ``Shard(0)``).
+
+    Args:
+        shards: each rank's ``{name: tensor}``.
+        full_shapes: ``{name: whole shape}`` of every entry of the model.
+
+    Raises:
+        CheckpointError: a name missing from (or unknown to) the shards, or shards that do not
+            make the whole shape; the message names the tensor and the shapes.
+    """
+    import torch
+
+    if not shards:
+        raise CheckpointError("No rank states to merge.")
+    for rank, shard in enumerate(shards):
+        missing = sorted(set(full_shapes) - set(shard))
+        unexpected = sorted(set(shard) - set(full_shapes))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"rank {rank}'s model state does not match the model of the config: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}. Export with the config of the model that was trained "
+                "(--base-model)."
+            )
+    merged: dict[str, Any] = {}
+    for key, shape in full_shapes.items():
+        shape = torch.Size(shape)
+        parts = [shard[key] for shard in shards]
+        if all(part.shape == shape for part in parts):
+            merged[key] = parts[0]
+            continue
+        pieces = [part for part in parts if part.numel() > 0]
+        whole = torch.cat(pieces, dim=0) if pieces and all(p.dim() == len(shape) for p in pieces) else None
+        if whole is None or whole.shape != shape:
+            raise CheckpointError(
+                f"the shards of {key!r} ({[tuple(p.shape) for p in parts]}) do not make its shape "
+                f"{tuple(shape)} along dim 0."
+            )
+        merged[key] = whole
+    return merged
+
+
+def _metadata_files(ckpt_dir: str, manifest: dict[str, Any], base_model: Any) -> dict[str, bytes]:
+    """Config and tokenizer files by name: from ``base_model`` if given, else the checkpoint's ``hf/``."""
+    from trellis.checkpoint.training import _hf_file_contents
+
+    if base_model is not None:
+        return dict(_hf_file_contents(os.fspath(base_model)))
+    prefix = f"{HF_DIR}/"
+    names = [rel[len(prefix) :] for rel in manifest["files"] if rel.startswith(prefix)]
+    if "config.json" not in names:
+        raise CheckpointError(
+            f"Checkpoint {ckpt_dir!r} has no {HF_DIR}/config.json (it was saved without hf_files=). Pass the "
+            "Hugging Face folder of the trained model as base_model (trellis export ... --base-model PATH)."
+        )
+    store = _Store(ckpt_dir)
+    return {name: store.read_bytes(f"{prefix}{name}") for name in names}
+
+
+def _role_state(states: Any, role: str, ckpt_dir: str, rank: int) -> dict[str, Any]:
+    if not isinstance(states, dict) or role not in states:
+        have = (
+            [k for k, v in states.items() if isinstance(v, dict) and "model" in v]
+            if isinstance(states, dict)
+            else []
+        )
+        raise CheckpointError(
+            f"Checkpoint {ckpt_dir!r} (rank {rank}) holds no {role!r} model; it holds {sorted(have)}. Pass "
+            "role= (--role) one of those."
+        )
+    state = states[role]
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(
+            f"Checkpoint {ckpt_dir!r} (rank {rank}): entry {role!r} is not an engine state (no 'model' "
+            f"dict); save engine.state_dict() under it. (Its {MANIFEST} lists what was saved.)"
+        )
+    return state
+
+
+def _meta_model(config_dir: str, role: str, ckpt_dir: str) -> Any:
+    """The architecture of ``config_dir`` on the meta device (shapes only, no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    try:
+        config = AutoConfig.from_pretrained(config_dir)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"The config of checkpoint {ckpt_dir!r} does not load: {exc}") from exc
+    auto_class = AutoModelForCausalLM
+    if role == "critic":  # the engine's value model (trellis.engine.models.load_model)
+        config.num_labels = 1
+        config.classifier_dropout = 0.0
+        auto_class = AutoModelForTokenClassification
+    with torch.device("meta"):
+        return auto_class.from_config(config, dtype=torch.float32)
