@@ -19,6 +19,7 @@ _LAZY: dict[str, str] = {
     "get_plugin_manager": "trellis.hooks:get_plugin_manager",
     "DataProto": "trellis.data.protocol:DataProto",
     "load_config": "trellis.config:load_config",
+    "train": "trellis.trainer:train",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -4,6 +4,8 @@
     trellis plugins list [--group G] [--json]   every registered name, without importing any
     trellis plugins check                       import every entry point, report each failure
     trellis doctor                              versions, device backends, plugin health
+    trellis export CKPT_DIR --to HF_DIR         a training checkpoint as a Hugging Face model folder
+    trellis train [CONFIG.yaml] [key=value ...] train (--preset tiny|demo, --print-config)
 
 Tables are drawn with rich on a terminal and printed as plain columns when piped.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import warnings
@@ -200,6 +203,57 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# ---------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from trellis.checkpoint.export import export_to_hf
+
+    path = export_to_hf(
+        args.ckpt_dir, args.to, role=args.role, base_model=args.base_model, overwrite=args.force
+    )
+    print(f"Exported the {args.role} model of {args.ckpt_dir} to {path}")
+    return 0
+
+
+# ---------------------------------------------------------------- train
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from trellis.config import load_config
+    from trellis.config.loader import to_yaml
+
+    overrides = list(args.overrides)
+    config_path = args.config
+    if config_path is not None and "=" in config_path and not os.path.exists(config_path):
+        overrides.insert(0, config_path)  # `trellis train key=value`: no config file
+        config_path = None
+    if args.preset:
+        from trellis.trainer.presets import preset_overrides
+
+        overrides = preset_overrides(args.preset) + overrides
+    config = load_config(config_path, overrides)
+    if args.print_config:
+        print(to_yaml(config, comments=True), end="")
+        return 0
+    import trellis
+
+    result = trellis.train(config)
+    print(f"Run directory: {result.run_dir}")
+    if result.validation:
+        first, last = result.validation[0][1], result.validation[-1][1]
+        print(
+            f"Validation reward: {first.get('val/reward/mean', float('nan')):.3f} at step "
+            f"{result.validation[0][0]} -> {last.get('val/reward/mean', float('nan')):.3f} at step "
+            f"{result.validation[-1][0]}"
+        )
+    if result.reward_curve:
+        print(f"Reward curve: {result.reward_curve}")
+    print(f"Last checkpoint: {result.last_checkpoint or 'none (trainer.save_freq is off)'}")
+    print(f"Best checkpoint: {result.best_checkpoint or 'none'}")
+    return 0
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -220,6 +274,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser("doctor", help="versions, device backends and plugin health")
     doctor.set_defaults(func=cmd_doctor)
+
+    export = commands.add_parser(
+        "export",
+        help="write a training checkpoint as a Hugging Face model folder",
+        description="Merge the model shards of every rank of a training checkpoint (a global_step_N "
+        "folder) into a Hugging Face folder (config, tokenizer, model.safetensors) that "
+        "AutoModelForCausalLM.from_pretrained loads.",
+    )
+    export.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a global_step_N folder (local path or URL)")
+    export.add_argument("--to", required=True, metavar="HF_DIR", help="the folder to write (new or empty)")
+    export.add_argument("--role", default="actor", choices=["actor", "critic", "ref"], help="which model")
+    export.add_argument(
+        "--base-model",
+        metavar="PATH",
+        help="a Hugging Face folder to take config and tokenizer from (if the checkpoint has none)",
+    )
+    export.add_argument("--force", action="store_true", help="write into HF_DIR even if it is not empty")
+    export.set_defaults(func=cmd_export)
+
+    train = commands.add_parser(
+        "train",
+        help="train a model (PPO, GRPO, ...)",
+        description="Train with the defaults, merged with CONFIG.yaml (if given), merged with key=value "
+        "overrides, e.g. `trellis train run.yaml actor.optim.lr=1e-5 trainer.executor=ray`.",
+    )
+    train.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="a YAML config file")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    train.add_argument("--preset", help="a ready-made run: tiny (seconds, offline) or demo")
+    train.add_argument(
+        "--print-config", action="store_true", help="print the merged config with every default and exit"
+    )
+    train.set_defaults(func=cmd_train)
     return parser
 
 

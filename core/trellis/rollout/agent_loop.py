@@ -50,6 +50,11 @@ import torch
 from trellis.data.protocol import DataProto
 from trellis.rollout.sampling import SamplingParams, TokenOutput
 
+ROW_KEY = "__row__"
+"""Optional column: each row's position in the whole batch. Per-sample seeds mix it in instead of the
+row's position in the manager's share, so a batch split over several workers draws what one worker
+would."""
+
 
 @dataclass
 class AgentLoopOutput:
@@ -288,7 +293,7 @@ class AgentLoopManager:
 
         ``prompts.meta_info``: ``validate`` (use ``rollout.val_kwargs`` sampling) and ``global_steps``
         (mixed into per-sample seeds when ``rollout.seed`` is set, so each step draws anew while a rerun
-        draws the same).
+        draws the same; see :data:`ROW_KEY`).
         """
         size = len(prompts)
         if size == 0:
@@ -308,8 +313,9 @@ class AgentLoopManager:
             sample_params = params
             if seed is not None and params.temperature > 0:
                 key = samples[i].get("index", i)
+                row = samples[i].get(ROW_KEY, i)
                 sample_params = dataclasses.replace(
-                    params, seed=_mix(seed, meta.get("global_steps", 0), bool(meta.get("validate")), key, i)
+                    params, seed=_mix(seed, meta.get("global_steps", 0), bool(meta.get("validate")), key, row)
                 )
             session = self.router.session(request_id)
             loop = self.loop_class(names[i])(self.rollout_config, session, self.tokenizer, self.tools)

@@ -1,0 +1,42 @@
+"""``reward_curve.png``: train and validation reward per step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def plot_reward_curve(
+    path: str, train: Sequence[tuple[int, float | None]], val: Sequence[tuple[int, float | None]]
+) -> str | None:
+    """Draw the curves into ``path``; returns it, or None when there is no point to draw."""
+    train = [(s, v) for s, v in train if v is not None]
+    val = [(s, v) for s, v in val if v is not None]
+    if not train and not val:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], label="train reward (mean)", color="tab:blue")
+    if val:
+        ax.plot(
+            [s for s, _ in val],
+            [v for _, v in val],
+            label="validation reward",
+            color="tab:orange",
+            marker="o",
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

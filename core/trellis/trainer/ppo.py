@@ -1,0 +1,483 @@
+"""The PPO / GRPO trainer: one controller driving the policy and critic worker groups.
+
+One step (DESIGN.md's data flow)::
+
+    prompts -> n responses each (agent loops on the rollout replicas)
+      -> rewards (reward manager, or the agent loop's own)
+      -> old log-probs (actor), reference log-probs (ref), values (critic)
+      -> KL in the reward (algorithm.use_kl_in_reward) -> rollout correction (if configured)
+      -> advantages (algorithm.adv_estimator) -> critic update -> actor update
+      -> weights to the replicas -> metrics, trackers, hooks -> checkpoint (every save_freq steps)
+
+The same code runs with ``trainer.executor=local`` (one process) and ``ray`` (one actor per worker;
+``nnodes x n_devices_per_node`` workers, the policy and the critic each in their own group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from trellis.algorithms.kl import get_kl_controller, kl_penalty
+from trellis.algorithms.masked import masked_mean
+from trellis.data.protocol import DataProto
+from trellis.trainer import metrics as M
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a run produced.
+
+    Attributes:
+        run_dir: where its outputs are.
+        steps: training steps done (a resumed run counts the earlier ones too).
+        history: each step's metrics, in order (this process's steps only).
+        validation: ``(step, metrics)`` of each validation.
+        last_checkpoint / best_checkpoint: paths, or None when no checkpoint was saved.
+        reward_curve: path of ``reward_curve.png``, or None when there was nothing to plot.
+    """
+
+    run_dir: str
+    steps: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    validation: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    last_checkpoint: str | None = None
+    best_checkpoint: str | None = None
+    reward_curve: str | None = None
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str) -> Any:
+        timer = self
+
+        class _Span:
+            def __enter__(self) -> None:
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc: object) -> None:
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.start
+
+        return _Span()
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """PPO-family RL on a :class:`~trellis.config.TrellisConfig`.
+
+    Args:
+        config: the run's configuration (``load_config`` output).
+        reward_fn: a Python scoring callable that replaces ``reward.function`` (the notebook path).
+        worker_env: extra environment variables for Ray workers.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        reward_fn: Callable[..., Any] | None = None,
+        worker_env: dict[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.reward_fn = reward_fn
+        self.worker_env = dict(worker_env or {})
+        self.run_dir = os.path.abspath(config.trainer.run_dir)
+        self.groups: list[Any] = []
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_data(self) -> None:
+        from trellis.data.dataset import PromptLoader, RLDataset
+        from trellis.utils.tokenizer import hf_tokenizer
+
+        cfg = self.config
+        self.tokenizer = hf_tokenizer(cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
+        needs_chat = cfg.data.return_raw_chat or cfg.rollout.agent.default_agent_loop != "single_turn"
+        kwargs = dict(
+            prompt_key=cfg.data.prompt_key,
+            max_prompt_length=cfg.data.max_prompt_length,
+            filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+            truncation=cfg.data.truncation,
+            chat_template_kwargs=cfg.data.chat_template_kwargs,
+            return_raw_chat=needs_chat,
+        )
+        if not cfg.data.train_files:
+            raise ValueError("data.train_files is empty: give the parquet/jsonl files of training prompts.")
+        self.train_set = RLDataset(list(cfg.data.train_files), self.tokenizer, **kwargs)
+        self.loader = PromptLoader(
+            self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
+        )
+        self.val_set = (
+            RLDataset(list(cfg.data.val_files), self.tokenizer, **kwargs) if cfg.data.val_files else None
+        )
+        per_epoch = len(self.loader)
+        self.total_steps = cfg.trainer.total_training_steps or per_epoch * cfg.trainer.total_epochs
+
+    def _build_workers(self) -> None:
+        from trellis.distributed import ClassWithInitArgs, LocalWorkerGroup
+        from trellis.trainer.workers import ActorRolloutRefWorker, CriticWorker
+
+        cfg = self.config
+        world = cfg.trainer.nnodes * cfg.trainer.n_devices_per_node
+        if cfg.trainer.executor == "local":
+            if world != 1:
+                raise ValueError(
+                    f"trainer.executor=local runs one worker; nnodes x n_devices_per_node is {world}. "
+                    "Use trainer.executor=ray for several workers."
+                )
+            self.actor_wg = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, cfg, self.reward_fn))
+            self.critic_wg = (
+                LocalWorkerGroup(ClassWithInitArgs(CriticWorker, cfg)) if cfg.critic.enable else None
+            )
+        else:
+            from trellis.distributed import RayResourcePool, RayWorkerGroup
+
+            device = None if cfg.trainer.device in ("auto", "cpu") else cfg.trainer.device
+            nodes = [cfg.trainer.n_devices_per_node] * cfg.trainer.nnodes
+            env = {"TRELLIS_NUM_THREADS": "1", **self.worker_env}
+            if cfg.trainer.device != "auto":
+                env.setdefault("TRELLIS_DEVICE", cfg.trainer.device)
+            self.actor_wg = RayWorkerGroup(
+                RayResourcePool(nodes, device_name=device, name_prefix="actor"),
+                ClassWithInitArgs(ActorRolloutRefWorker, cfg, self.reward_fn),
+                env=env,
+            )
+            self.groups.append(self.actor_wg)
+            self.critic_wg = None
+            if cfg.critic.enable:
+                self.critic_wg = RayWorkerGroup(
+                    RayResourcePool(nodes, device_name=device, name_prefix="critic"),
+                    ClassWithInitArgs(CriticWorker, cfg),
+                    env=env,
+                )
+                self.groups.append(self.critic_wg)
+        self.world_size = world
+        self.actor_wg.init_model(self.total_steps)
+        if self.critic_wg is not None:
+            self.critic_wg.init_model(self.total_steps)
+
+    def _build_trackers(self) -> None:
+        from trellis.config.loader import to_dict
+        from trellis.registries import trackers
+
+        self.trackers = []
+        plain = to_dict(self.config)
+        for name in self.config.trainer.trackers:
+            cls = trackers.get(name)
+            options = {"total_steps": self.total_steps} if name == "console" else {}
+            self.trackers.append(cls(run_dir=self.run_dir, config=plain, **options))
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> TrainResult:
+        """Train for ``total_steps`` (resuming per ``trainer.resume_mode``); see :class:`TrainResult`."""
+        from trellis.hooks import get_plugin_manager
+
+        cfg = self.config
+        os.makedirs(self.run_dir, exist_ok=True)
+        _seed_everything(cfg.trainer.seed)
+        hooks = get_plugin_manager().hook
+        self._build_data()
+        self._build_workers()
+        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
+        result = TrainResult(run_dir=self.run_dir)
+        self.step = 0
+        self._resume(result)
+        self._build_trackers()
+        hooks.trellis_train_start(config=cfg, run_dir=self.run_dir)
+        last_metrics: dict[str, float] = {}
+        try:
+            if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
+                self._validate(result, hooks)
+            batches = self._batches()
+            while self.step < self.total_steps:
+                prompts = next(batches)
+                self.step += 1
+                metrics = self.train_step(prompts)
+                if (
+                    self.val_set is not None
+                    and cfg.trainer.test_freq > 0
+                    and (self.step % cfg.trainer.test_freq == 0 or self.step == self.total_steps)
+                ):
+                    metrics.update(self._validate(result, hooks, log=False))
+                for tracker in self.trackers:
+                    tracker.log(metrics, self.step)
+                hooks.trellis_step_end(step=self.step, metrics=metrics)
+                result.history.append(metrics)
+                last_metrics = metrics
+                if cfg.trainer.save_freq > 0 and (
+                    self.step % cfg.trainer.save_freq == 0 or self.step == self.total_steps
+                ):
+                    path = self._save_checkpoint()
+                    result.last_checkpoint = path
+                    hooks.trellis_checkpoint_saved(step=self.step, path=path)
+        finally:
+            result.steps = self.step
+            for tracker in getattr(self, "trackers", []):
+                tracker.finish()
+            hooks.trellis_train_end(step=self.step, metrics=last_metrics, run_dir=self.run_dir)
+            self._shutdown()
+        result.best_checkpoint = self._best_checkpoint(result)
+        result.reward_curve = self._plot(result)
+        return result
+
+    def _batches(self) -> Any:
+        while True:
+            yield from self.loader
+
+    def train_step(self, prompts: DataProto) -> dict[str, float]:
+        """One PPO step on a batch of prompts; returns its metrics."""
+        cfg = self.config
+        timer = _Timer()
+        with timer("step"):
+            prompts.non_tensor_batch["uid"] = np.array(
+                [f"{self.step}-{i}" for i in range(len(prompts))], dtype=object
+            )
+            prompts.meta_info["global_steps"] = self.step
+            with timer("generate"):
+                batch = self.actor_wg.generate_sequences(
+                    _numbered(prompts.repeat(cfg.rollout.n, interleave=True))
+                )
+            gen_metrics = _worker_mean(batch.meta_info.pop("metrics", {}) or {})
+            # scoring runs inside the generate call, on the workers: split its time out
+            reward_s = gen_metrics.pop("timing/reward_worker", 0.0)
+            gen_metrics.pop("timing/generate_worker", None)
+            timer.seconds["reward"] = reward_s
+            timer.seconds["generate"] -= reward_s
+            reward_metrics = self._reward_metrics(batch)
+            with timer("old_log_prob"):
+                batch = batch.union(self.actor_wg.compute_log_prob(batch))
+            entropy = masked_mean(batch.batch["entropys"], batch.batch["response_mask"].float())
+            if cfg.ref.enable:
+                with timer("ref"):
+                    batch = batch.union(self.actor_wg.compute_ref_log_prob(batch))
+            if self.critic_wg is not None:
+                with timer("values"):
+                    batch = batch.union(self.critic_wg.compute_values(batch))
+            with timer("advantage"):
+                algo_metrics = self._advantages(batch)
+            update_metrics: dict[str, float] = {}
+            if self.critic_wg is not None:
+                with timer("update_critic"):
+                    update_metrics.update(M.mean_metrics(self.critic_wg.update_critic(batch)))
+            with timer("update_actor"):
+                update_metrics.update(M.mean_metrics(self.actor_wg.update_actor(batch)))
+        timings = timer.seconds
+        timings["weight_sync"] = update_metrics.pop("timing/weight_sync", 0.0)
+        metrics: dict[str, float] = {"training/global_step": float(self.step)}
+        metrics.update(M.compute_data_metrics(batch, cfg.data.max_response_length))
+        metrics.update(gen_metrics)
+        metrics.update(reward_metrics)
+        metrics.update(algo_metrics)
+        metrics.update(update_metrics)
+        metrics["actor/entropy_rollout"] = float(entropy)
+        metrics.update(M.compute_timing_metrics(timings))
+        metrics.update(M.compute_throughput_metrics(batch, timings, self.world_size))
+        metrics.update(M.peak_memory_metrics())
+        return metrics
+
+    def _reward_metrics(self, batch: DataProto) -> dict[str, float]:
+        """Means of the numeric extra fields the reward function returned (``reward_extra/<field>``)."""
+        metrics = {}
+        for key in [k for k in batch.non_tensor_batch if k.startswith("reward_extra/")]:
+            values = batch.non_tensor_batch.pop(key).astype(np.float64)
+            metrics[f"{key}/mean"] = float(np.nanmean(values)) if len(values) else 0.0
+        return metrics
+
+    def _advantages(self, batch: DataProto) -> dict[str, float]:
+        from trellis.algorithms.rollout_correction import rollout_correction_from_config
+        from trellis.registries import get_adv_estimator_fn
+
+        cfg = self.config.algorithm
+        b = batch.batch
+        mask = b["response_mask"]
+        metrics: dict[str, float] = {}
+        scores = b["token_level_scores"]
+        if cfg.use_kl_in_reward:
+            kl = kl_penalty(b["old_log_probs"], b["ref_log_prob"], cfg.kl_penalty) * mask
+            beta = self.kl_ctrl.value
+            b["token_level_rewards"] = scores - beta * kl
+            current = float(masked_mean(kl, mask.float(), axis=-1).mean())
+            self.kl_ctrl.update(current, len(batch))
+            metrics.update({"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta})
+        else:
+            b["token_level_rewards"] = scores
+        if "ref_log_prob" in b:
+            metrics["actor/kl_ref"] = float(
+                masked_mean(kl_penalty(b["old_log_probs"], b["ref_log_prob"], "kl"), mask.float())
+            )
+        if cfg.rollout_correction.enabled and "rollout_log_probs" in b:
+            weights, new_mask, rc_metrics = rollout_correction_from_config(
+                b["old_log_probs"], b["rollout_log_probs"], mask, cfg
+            )
+            if weights is not None:
+                b["rollout_is_weights"] = weights
+            b["response_mask"] = new_mask.to(mask.dtype)
+            mask = b["response_mask"]
+            metrics.update({f"rollout_corr/{k}": float(v) for k, v in rc_metrics.items()})
+        estimator = get_adv_estimator_fn(cfg.adv_estimator)
+        extra = {"values": b["values"]} if "values" in b else {}
+        advantages, returns = estimator(
+            b["token_level_rewards"], mask, index=batch.non_tensor_batch["uid"], config=cfg, **extra
+        )
+        b["advantages"], b["returns"] = advantages, returns
+        return metrics
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self, result: TrainResult, hooks: Any, log: bool = True) -> dict[str, float]:
+        from trellis.data.dataset import collate_fn
+
+        cfg = self.config
+        n = cfg.rollout.val_kwargs.n
+        size = cfg.data.val_batch_size or len(self.val_set)
+        scores, groups, lengths = [], [], []
+        for start in range(0, len(self.val_set), size):
+            items = [self.val_set[i] for i in range(start, min(start + size, len(self.val_set)))]
+            prompts = (
+                self.val_set.collate_fn(items) if hasattr(self.val_set, "collate_fn") else collate_fn(items)
+            )
+            prompts.non_tensor_batch["uid"] = np.array(
+                [f"val-{start + i}" for i in range(len(items))], dtype=object
+            )
+            prompts.meta_info.update({"validate": True, "global_steps": self.step})
+            out = self.actor_wg.generate_sequences(_numbered(prompts.repeat(n, interleave=True)))
+            out.meta_info.pop("metrics", None)
+            scores.append(out.batch["token_level_scores"].sum(-1).numpy())
+            groups.append(out.non_tensor_batch["uid"])
+            width = out.batch["prompts"].shape[1]
+            lengths.append(out.batch["attention_mask"][:, width:].sum(-1).float().numpy())
+        all_scores = np.concatenate(scores)
+        pass1, passn = M.pass_at_k(all_scores, np.concatenate(groups))
+        metrics = {
+            "val/reward/mean": float(all_scores.mean()),
+            "val/pass@1": pass1,
+            f"val/pass@{n}": passn,
+            "val/response_length/mean": float(np.concatenate(lengths).mean()),
+        }
+        result.validation.append((self.step, metrics))
+        if log:
+            for tracker in getattr(self, "trackers", []):
+                tracker.log(metrics, self.step)
+        hooks.trellis_validation_end(step=self.step, metrics=metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoints(self, rank: int, barrier: Any) -> Any:
+        from trellis.checkpoint.training import CheckpointManager
+
+        return CheckpointManager(
+            os.path.join(self.run_dir, "checkpoints"),
+            max_to_keep=self.config.trainer.max_actor_ckpt_to_keep,
+            rank=rank,
+            world_size=self.world_size,
+            barrier=barrier,
+        )
+
+    def _save_checkpoint(self) -> str:
+        """One file per worker rank (its engine shards), written by as many threads meeting at a barrier,
+        so the checkpoint has the layout of a run whose ranks saved themselves."""
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        from trellis.checkpoint.rng import capture_rng_state
+
+        actor = self.actor_wg.state_dict()
+        critic = self.critic_wg.state_dict() if self.critic_wg is not None else None
+        trainer = {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "kl_coef": float(getattr(self.kl_ctrl, "value", 0.0)),
+            "rng": capture_rng_state(),
+        }
+        barrier = threading.Barrier(self.world_size)
+
+        def save(rank: int) -> str:
+            states: dict[str, Any] = {"actor": actor[rank], "trainer": trainer}
+            if critic is not None:
+                states["critic"] = critic[rank]
+            return self._checkpoints(rank, barrier.wait).save(self.step, states, hf_files=self._hf_files())
+
+        with ThreadPoolExecutor(self.world_size) as pool:
+            paths = list(pool.map(save, range(self.world_size)))
+        return paths[0]
+
+    def _hf_files(self) -> str | None:
+        path = self.config.model.tokenizer_path or self.config.model.path
+        return path if path and os.path.isdir(path) else None
+
+    def _resume(self, result: TrainResult) -> None:
+        from trellis.checkpoint.rng import restore_rng_state
+
+        trainer = self.config.trainer
+        path = self._checkpoints(0, lambda: None).resolve_resume(
+            trainer.resume_mode, trainer.resume_from_path
+        )
+        if path is None:
+            return
+        ranks = [self._checkpoints(rank, lambda: None).load(path) for rank in range(self.world_size)]
+        self.actor_wg.load_state_dict([states["actor"] for states in ranks])
+        if self.critic_wg is not None:
+            self.critic_wg.load_state_dict([states["critic"] for states in ranks])
+        saved = ranks[0]["trainer"]
+        self.step = int(saved["step"])
+        self.loader.load_state_dict(saved["loader"])
+        if hasattr(self.kl_ctrl, "value"):
+            self.kl_ctrl.value = float(saved["kl_coef"])
+        restore_rng_state(saved["rng"])
+        result.last_checkpoint = path
+        logger.info("Resumed from %s at step %d.", path, self.step)
+
+    def _best_checkpoint(self, result: TrainResult) -> str | None:
+        return result.last_checkpoint
+
+    # ------------------------------------------------------------------ end of run
+
+    def _plot(self, result: TrainResult) -> str | None:
+        from trellis.trainer.plot import plot_reward_curve
+
+        train = [
+            (i + 1 + (result.steps - len(result.history)), m.get("reward/mean"))
+            for i, m in enumerate(result.history)
+        ]
+        val = [(step, m.get("val/reward/mean")) for step, m in result.validation]
+        return plot_reward_curve(os.path.join(self.run_dir, "reward_curve.png"), train, val)
+
+    def _shutdown(self) -> None:
+        for group in self.groups:
+            try:
+                group.shutdown()
+            except Exception:
+                logger.exception("Could not shut a worker group down.")
+        self.groups = []
+
+
+def _worker_mean(metrics: dict[str, Any]) -> dict[str, float]:
+    """Metrics gathered from several workers (a list per key after ``DataProto.concat``) as means."""
+    return {k: float(np.mean(v)) if isinstance(v, list | tuple) else float(v) for k, v in metrics.items()}
+
+
+def _numbered(batch: DataProto) -> DataProto:
+    """``batch`` with its rows numbered (``__row__``), so sampling seeds do not depend on how it is split."""
+    from trellis.rollout.agent_loop import ROW_KEY
+
+    batch.non_tensor_batch[ROW_KEY] = np.arange(len(batch), dtype=np.int64)
+    return batch

