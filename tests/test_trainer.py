@@ -84,6 +84,7 @@ def test_tiny_preset_learns_and_reports_everything(tmp_path):
     with open(result.reward_curve, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert result.last_checkpoint.endswith("global_step_12")
+    assert result.best_checkpoint.endswith("global_step_12")  # val reward 1.0 at steps 6 and 12: the later
     assert sorted(os.listdir(os.path.join(result.run_dir, "checkpoints"))) == [
         "global_step_12",
         "global_step_6",

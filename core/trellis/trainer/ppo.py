@@ -447,7 +447,15 @@ class Trainer:
         logger.info("Resumed from %s at step %d.", path, self.step)
 
     def _best_checkpoint(self, result: TrainResult) -> str | None:
-        return result.last_checkpoint
+        """The kept checkpoint of the step with the highest validation reward (else the last one)."""
+        if result.last_checkpoint is None:
+            return None
+        manager = self._checkpoints(0, lambda: None)
+        kept = set(manager.steps())
+        scored = [(m["val/reward/mean"], step) for step, m in result.validation if step in kept]
+        if not scored:
+            return result.last_checkpoint
+        return manager.path_of(max(scored, key=lambda item: (item[0], item[1]))[1])
 
     # ------------------------------------------------------------------ end of run
 
