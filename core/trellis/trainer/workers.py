@@ -155,8 +155,9 @@ class ActorRolloutRefWorker(_Role):
         from trellis.checkpoint.sync import WeightSyncManager
 
         start = time.perf_counter()
-        manager = WeightSyncManager(self.config.rollout.checkpoint_engine)
-        asyncio.run(manager.sync(self.actor.iter_full_params(), [self.replica]))
+        if getattr(self, "_weight_sync", None) is None:  # one engine pair for the whole run
+            self._weight_sync = WeightSyncManager(self.config.rollout.checkpoint_engine)
+        asyncio.run(self._weight_sync.sync(self.actor.iter_full_params(), [self.replica]))
         return time.perf_counter() - start
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
