@@ -149,6 +149,8 @@ class Trainer:
         else:
             from trellis.distributed import RayResourcePool, RayWorkerGroup
 
+            self._start_ray()
+
             device = None if cfg.trainer.device in ("auto", "cpu") else cfg.trainer.device
             nodes = [cfg.trainer.n_devices_per_node] * cfg.trainer.nnodes
             env = {"TRELLIS_NUM_THREADS": "1", **self.worker_env}
@@ -469,6 +471,20 @@ class Trainer:
         val = [(step, m.get("val/reward/mean")) for step, m in result.validation]
         return plot_reward_curve(os.path.join(self.run_dir, "reward_curve.png"), train, val)
 
+    def _start_ray(self) -> None:
+        """Connect to the running Ray cluster (``RAY_ADDRESS`` or a local ``ray start``), or start a
+        local one sized to this machine, which :meth:`_shutdown` stops again."""
+        import ray
+
+        self._own_ray = False
+        if ray.is_initialized():
+            return
+        try:
+            ray.init(address="auto", log_to_driver=False)
+        except ConnectionError:
+            ray.init(include_dashboard=False, log_to_driver=False)
+            self._own_ray = True
+
     def _shutdown(self) -> None:
         for group in self.groups:
             try:
@@ -476,6 +492,11 @@ class Trainer:
             except Exception:
                 logger.exception("Could not shut a worker group down.")
         self.groups = []
+        if getattr(self, "_own_ray", False):
+            import ray
+
+            ray.shutdown()
+            self._own_ray = False
 
 
 def _worker_mean(metrics: dict[str, Any]) -> dict[str, float]:
