@@ -6,13 +6,16 @@ Each side generates ``--requests`` responses (temperature 1.0, ``--max-tokens`` 
 prompts of uneven length, in fp32:
 
 - coalesced: ``HFRolloutReplica.generate`` called concurrently for every request (the replica
-  batches them into as few ``model.generate`` calls as it can), log-probs on.
+  batches them into as few ``model.generate`` calls as it can), log-probs on, with the
+  replica's default ``engine_kwargs``: its batches run in a worker thread (on the CPU with
+  ``cpu_threads="auto"``, see :mod:`trellis.rollout.hf`), while the direct sides run on the
+  main thread. The number of batched calls is printed to stderr.
 - per-request: the same replica with ``engine_kwargs.max_batch_size=1``: one ``model.generate``
   per request, no coalescing.
 - direct (limit): one ``model.generate(do_sample=True)`` over all prompts, left-padded, no
   log-probs — the limit a batching replica can approach; the ratios are against it.
 - direct greedy: the same with ``do_sample=False``: the model's own cost without transformers'
-  sampling machinery (which, on small vocabularies, costs more than the tiny model itself).
+  sampling (softmax and ``torch.multinomial`` over the vocabulary every step).
 
 Tokens/s counts generated tokens (up to and including eos). Time is the median of ``--repeats``
 runs after one warm-up. Models: the tiny test model (built into a temporary folder) and
@@ -61,6 +64,11 @@ def time_replica(model, tokenizer, ps, max_tokens, repeats, **engine_kwargs) -> 
             tokens = await once(replica)
             times.append(time.perf_counter() - start)
         await replica.shutdown()
+        print(
+            f"    {replica.generate_calls} batched generate calls in {repeats + 1} rounds",
+            file=sys.stderr,
+            flush=True,
+        )
         return statistics.median(times), tokens
 
     return asyncio.run(main())

@@ -330,3 +330,201 @@ def test_hybrid_leaves_the_training_mode_of_the_shared_model(tiny_model_path, hf
 
     assert len(run(tiny_model_path, body, mode="hybrid", model=model, tokenizer=tok).token_ids) == 3
     assert model.training
+
+
+def teacher_forced_logits(model, prompt, tokens):
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        return model(ids).logits[0, len(prompt) - 1 : -1].float()
+
+
+def test_mixed_batch_honours_every_rows_params_in_one_generate(tiny_model_path, hf):
+    model, tok = hf
+    ps = prompts(tok, 6)
+    params = [
+        SamplingParams(temperature=0, max_tokens=5, logprobs=True),
+        SamplingParams(temperature=0.7, top_k=20, max_tokens=12, logprobs=True),
+        SamplingParams(temperature=1.3, top_p=0.8, max_tokens=9, logprobs=True),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.9, max_tokens=12, seed=3, logprobs=True),
+        SamplingParams(temperature=1.0, max_tokens=3, logprobs=True),
+        SamplingParams(temperature=0.5, max_tokens=12),  # no log-probs asked
+    ]
+
+    async def body(replica):
+        outs = await asyncio.gather(
+            *(replica.generate(p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(ps, params, strict=True)))
+        )
+        return outs, replica.generate_calls
+
+    outs, calls = run(tiny_model_path, body, mode="hybrid", model=model, tokenizer=tok)
+    assert calls == 1  # one batched generate, every row with its own params
+    for p, sp, out in zip(ps, params, outs, strict=True):
+        assert 0 < len(out.token_ids) <= sp.max_tokens
+        assert out.stop_reason == ("length" if len(out.token_ids) == sp.max_tokens else "stop")
+        if not sp.wants_logprobs:
+            assert out.log_probs is None
+            continue
+        expected = teacher_forced_logprobs(model, p, out.token_ids, sp.temperature)
+        torch.testing.assert_close(torch.tensor(out.log_probs), expected, atol=1e-4, rtol=0)
+        logits = teacher_forced_logits(model, p, out.token_ids)
+        chosen = torch.tensor(out.token_ids)[:, None]
+        if sp.greedy:
+            assert out.token_ids == logits.argmax(-1).tolist()
+            continue
+        probs = torch.softmax(logits / sp.temperature, -1)
+        if sp.top_k > 0:  # every token among the top k
+            assert ((probs > probs.gather(1, chosen)).sum(-1) < sp.top_k).all()
+        if sp.top_p < 1 and sp.top_k < 0:  # every token in the nucleus: the mass above it is below top_p
+            above = (probs * (probs > probs.gather(1, chosen))).sum(-1)
+            assert (above < sp.top_p).all()
+
+
+def test_seeded_request_is_the_same_on_either_stopping_path(tiny_model_path, hf):
+    _, tok = hf
+    ps = prompts(tok, 4)
+    sp = SamplingParams(temperature=1.0, max_tokens=10, seed=42, logprobs=True)
+
+    async def body(replica):
+        alone = await replica.generate(ps[0], sp, "alone")  # a uniform batch: generate's own stopping
+        mixed = await asyncio.gather(  # other lengths, stop ids and strings: the per-row criterion
+            replica.generate(ps[0], sp, "seeded"),
+            replica.generate(ps[1], SamplingParams(temperature=0, max_tokens=4), "g"),
+            replica.generate(ps[2], SamplingParams(max_tokens=10, stop_token_ids=[7, 8]), "ids"),
+            replica.generate(ps[3], SamplingParams(max_tokens=6, stop="zzz"), "str"),
+        )
+        return alone, mixed[0]
+
+    alone, mixed = run(tiny_model_path, body)
+    assert mixed.token_ids == alone.token_ids
+    assert mixed.log_probs == pytest.approx(alone.log_probs, abs=1e-5)
+
+
+def test_stop_ids_of_one_row_do_not_stop_its_batch_mates(tiny_model_path, hf):
+    _, tok = hf
+    p = prompts(tok, 1)[0]
+    sp = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
+
+    async def body(replica):
+        base = await replica.generate(p, sp, "base")
+        stop_id = base.token_ids[3]
+        first = base.token_ids.index(stop_id)
+        with_stop = SamplingParams(temperature=1.0, max_tokens=12, seed=5, stop_token_ids=[stop_id])
+        differing = await asyncio.gather(replica.generate(p, with_stop, "a"), replica.generate(p, sp, "b"))
+        same = await asyncio.gather(replica.generate(p, with_stop, "c"), replica.generate(p, with_stop, "d"))
+        return base, first, differing, same
+
+    base, first, (stopped, full), same = run(tiny_model_path, body)
+    assert stopped.token_ids == base.token_ids[: first + 1] and stopped.stop_reason == "stop"
+    assert full.token_ids == base.token_ids and full.stop_reason == "length"
+    for out in same:  # equal stop ids in every row: generate's own eos check ends them
+        assert out.token_ids == stopped.token_ids and out.stop_reason == "stop"
+
+
+def test_unseeded_sampling_is_reproducible_from_the_replica_seed(tiny_model_path, hf):
+    model, tok = hf
+    ps = prompts(tok, 6)
+
+    def sample(seed):
+        async def main():
+            replica = HFRolloutReplica(0, RolloutConfig(seed=seed), ModelConfig())
+            await replica.init("hybrid", model=model, tokenizer=tok)
+            sp = SamplingParams(temperature=1.0, max_tokens=8)
+            outs = await asyncio.gather(*(replica.generate(p, sp, f"r{i}") for i, p in enumerate(ps)))
+            await replica.shutdown()
+            return [o.token_ids for o in outs]
+
+        return asyncio.run(main())
+
+    assert sample(0) == sample(0)
+    assert sample(0) != sample(1)
+
+
+def test_row_sampler_draws_from_each_rows_distribution():
+    from trellis.rollout.hf import _RowSampler
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 4000
+    groups = [
+        SamplingParams(temperature=1.0, logprobs=True),
+        SamplingParams(temperature=0.5, top_k=2, logprobs=True),
+        SamplingParams(temperature=2.0, top_p=0.6, logprobs=True),
+    ]
+    params = [sp for sp in groups for _ in range(n)]
+    sampler = _RowSampler(params, torch.Generator().manual_seed(0), steps=1, device=torch.device("cpu"))
+    scores = logits.expand(len(params), -1).clone()
+    out = sampler(torch.zeros((len(params), 1), dtype=torch.long), scores)
+    chosen = out.argmax(-1)
+    assert ((out == 0).sum(-1) == 1).all() and torch.isinf(out).sum() == out.numel() - len(params)
+    for g, sp in enumerate(groups):
+        probs = torch.softmax(logits / sp.temperature, -1)
+        rows = slice(g * n, (g + 1) * n)
+        torch.testing.assert_close(
+            sampler.log_probs[rows, 0], probs.log()[chosen[rows]], atol=1e-5, rtol=0
+        )  # before truncation
+        if sp.top_k > 0:
+            probs[sp.top_k :] = 0
+        if sp.top_p < 1:  # 0.6 at T=2: the top two tokens hold 0.36 + 0.22 < 0.6, so three stay
+            keep = (probs.cumsum(0) - probs) < sp.top_p
+            probs = probs * keep
+        probs /= probs.sum()
+        freq = torch.bincount(chosen[rows], minlength=len(logits)).double() / n
+        assert (freq[probs == 0] == 0).all()
+        torch.testing.assert_close(freq, probs.double(), atol=0.03, rtol=0)
+
+
+def test_model_generation_config_penalties_stay_off_the_logits(tiny_model_path, hf):
+    model, tok = hf
+    from transformers import AutoModelForCausalLM
+
+    penalised = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    penalised.generation_config.repetition_penalty = 5.0
+    penalised.generation_config.no_repeat_ngram_size = 1
+    penalised.generation_config.min_new_tokens = 4
+    p = prompts(tok, 1)[0]
+
+    async def body(replica):
+        return await replica.generate(p, SamplingParams(temperature=0, max_tokens=8, logprobs=True), "r")
+
+    base = run(tiny_model_path, body, mode="hybrid", model=model, tokenizer=tok)
+    out = run(tiny_model_path, body, mode="hybrid", model=penalised, tokenizer=tok)
+    assert len(set(base.token_ids)) < len(base.token_ids)  # greedy repeats a token: the n-gram ban would bite
+    assert out.token_ids == base.token_ids
+    torch.testing.assert_close(
+        torch.tensor(out.log_probs), teacher_forced_logprobs(model, p, out.token_ids, 0), atol=1e-4, rtol=0
+    )
+
+
+def test_cpu_threads_setting(tiny_model_path, hf):
+    import threading
+
+    from trellis.rollout.hf import _torch_threads
+
+    for bad in (0, "many", True, 1.5):
+        with pytest.raises(ValueError, match="cpu_threads must be"):
+            HFRolloutReplica(0, RolloutConfig(engine_kwargs={"cpu_threads": bad}), ModelConfig())
+    model, tok = hf
+
+    async def threads(**engine_kwargs):
+        replica = HFRolloutReplica(0, RolloutConfig(engine_kwargs=engine_kwargs), ModelConfig())
+        await replica.init("hybrid", model=model, tokenizer=tok)
+        return replica._intra_op_threads()
+
+    assert asyncio.run(threads()) == 1  # "auto": the 0.1M-parameter model is under the threshold
+    assert asyncio.run(threads(cpu_threads=3)) == 3
+    seen = []
+
+    def worker():
+        before = torch.get_num_threads()
+        with _torch_threads(before + 1):
+            seen.append(torch.get_num_threads())
+        seen.append(torch.get_num_threads())
+        fresh = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        fresh.start()
+        fresh.join()
+        seen.append(before)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    during, after, fresh, before = seen
+    assert during == before + 1 and after == before and fresh == before

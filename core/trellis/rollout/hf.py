@@ -6,23 +6,57 @@ stragglers), left-pads the prompts and runs *one* ``model.generate`` (KV cache o
 thread, so the event loop stays responsive. One batch runs at a time per replica; requests that
 arrive meanwhile form the next batch.
 
-Every request in a batch may have its own sampling parameters: sampling is done per row by a
-logits processor (:class:`_RowSampler`) that applies that row's temperature, top-k, top-p and
-seed and hands ``generate`` a one-hot choice (``generate`` itself runs greedy), and a stopping
-criterion ends each row at its own ``max_tokens``, stop ids or stop strings. A seeded request
-therefore gets the same tokens whatever it is batched with.
+Sampling. Every request in a batch may have its own sampling parameters. One logits processor
+(:class:`_RowSampler`) picks every row's next token with a few batched tensor ops on the
+logits' own device and hands ``generate`` (which itself runs greedy) a one-hot choice:
 
-Log-probs: each returned log-prob is ``log_softmax(logits / T)[token]`` of the model's raw
-logits at that step, with ``T`` the request's temperature (``T = 1`` for greedy), i.e. the
-temperature-scaled distribution before top-k / top-p truncation (what vLLM returns by
-default). A teacher-forced forward pass of the same model, scaled by the same ``T``, gives
-the same numbers.
+- greedy rows (``temperature == 0``) take the argmax;
+- sampled rows divide the logits by their temperature, apply their top-k / top-p (only the rows
+  that ask for one pay for the sort) and draw by inverse CDF: the first token whose cumulative
+  probability (summed in float64) exceeds ``u * total``, ``u ~ U[0, 1)``. That is an exact draw
+  and needs one random number per row and step, where the exponential race (``argmax p / E``,
+  what ``torch.multinomial`` does for one sample) needs one per vocabulary entry (on
+  SmolLM2-135M's 49k-token vocabulary those draws took about a fifth of the whole batch);
+- the uniforms are drawn up front for the whole batch: a row with a ``seed`` reads the stream of
+  its own ``torch.Generator`` seeded with it (its ``t``-th token uses the stream's ``t``-th
+  number), so a seeded request gets the same tokens whatever it is batched with; the other rows
+  share the replica's generator (seeded with ``rollout.seed + replica_rank``), so the replica
+  seed reproduces a run.
+
+Stopping. When every row has the same ``max_tokens`` and stop ids and none has stop strings (the
+usual RL batch), ``generate`` stops natively (eos and stop ids as its ``eos_token_id``,
+``max_new_tokens``); otherwise a stopping criterion (:class:`_RowStopper`) ends each row at its
+own ``max_tokens``, stop ids or stop strings. Either way the tokens are cut afterwards at each
+row's first stop.
+
+Log-probs: each returned log-prob is ``log_softmax(logits / T)[token]`` of the model's logits at
+that step, with ``T`` the request's temperature (``T = 1`` for greedy), i.e. the
+temperature-scaled distribution before top-k / top-p truncation (what vLLM returns by default).
+The sampler computes them from the tensor it samples from (the softmax needs its
+``logsumexp`` anyway), so no copy of the full logits is kept per step. A teacher-forced
+forward pass of the same model, scaled by the same ``T``, gives the same numbers. ``generate``
+is told to apply none of the penalties a model's own ``generation_config`` may set (repetition,
+n-gram, minimum length), so the sampler sees the model's logits.
+
+CPU threads. On the CPU, ``generate`` runs in the worker thread, a second OpenMP master beside
+the thread that already ran parallel torch ops (training, the caller). GNU OpenMP (torch's Linux
+wheels) then counts more threads than cores and all but stops spin-waiting at its barriers, so
+every parallel op pays for waking its threads: for a small model, whose ops take microseconds,
+that about doubles a decoding step (measured on the 0.1M-parameter test model), while one
+intra-op thread has no barrier at all. So by default (``cpu_threads="auto"``) the worker thread
+generates with one intra-op thread for models under :data:`AUTO_SINGLE_THREAD_PARAMS`
+parameters and with torch's setting for larger ones, whose matrix products gain more from
+threads than the barriers cost (SmolLM2-135M: one thread was 15-20% slower). The threshold is a
+rule of thumb; set ``cpu_threads`` to override it. ``torch.set_num_threads`` sets the calling
+thread's OpenMP and MKL counts and the process-wide default that threads started later read;
+the replica restores that default after each batch.
 
 Modes on this backend: ``hybrid`` serves the model object the caller passes (the training
 worker's own weights); ``colocated`` and ``standalone`` both load a private copy from
 ``model_config.path`` into this process (there is no separate server process).
 
-``engine_kwargs`` understood: ``max_batch_size`` (default 256), ``batch_wait_s`` (0.002).
+``engine_kwargs`` understood: ``max_batch_size`` (default 256), ``batch_wait_s`` (0.002),
+``cpu_threads`` (``"auto"``, or an int >= 1; only used when the model is on the CPU).
 """
 
 from __future__ import annotations
@@ -30,7 +64,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +72,23 @@ from trellis.rollout.base import RolloutReplica
 from trellis.rollout.sampling import SamplingParams, TokenOutput
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+AUTO_SINGLE_THREAD_PARAMS = 10_000_000
+"""``cpu_threads="auto"``: models with fewer parameters generate with one intra-op thread on the CPU."""
+
+# generation_config fields whose non-neutral values make generate alter the logits before the
+# sampler sees them, with their neutral values (see _neutral_overrides)
+_NEUTRAL_LOGITS_SETTINGS: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": 0,
+    "guidance_scale": 1.0,
+    "remove_invalid_values": False,
+    "renormalize_logits": False,
+}
 
 
 @dataclass
@@ -64,6 +115,12 @@ class HFRolloutReplica(RolloutReplica):
         self.batch_wait_s = float(kwargs.get("batch_wait_s", 0.002))
         if self.max_batch_size < 1:
             raise ValueError(f"engine_kwargs.max_batch_size must be >= 1, got {self.max_batch_size}.")
+        cpu_threads = kwargs.get("cpu_threads", "auto")
+        if cpu_threads != "auto" and (
+            isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1
+        ):
+            raise ValueError(f'engine_kwargs.cpu_threads must be "auto" or an int >= 1, got {cpu_threads!r}.')
+        self.cpu_threads: int | str = cpu_threads
         self.model: Any = None
         self.tokenizer: Any = None
         self.device: Any = None
@@ -74,6 +131,7 @@ class HFRolloutReplica(RolloutReplica):
         self._lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
         self._generator: Any = None
+        self._num_params = 0  # set by init; cpu_threads="auto" reads it
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,6 +182,7 @@ class HFRolloutReplica(RolloutReplica):
             self._generator.manual_seed(int(seed) + self.replica_rank)
         else:
             self._generator.seed()
+        self._num_params = sum(p.numel() for p in self.model.parameters())
         self.asleep = False
 
     def _load_model(self, path: str) -> Any:
@@ -293,6 +352,14 @@ class HFRolloutReplica(RolloutReplica):
         eos = sorted(self._eos_ids())
         return eos[0] if eos else 0
 
+    def _intra_op_threads(self) -> int | None:
+        """Intra-op threads for the generation thread: None leaves torch's setting (see module docstring)."""
+        if self.device is None or self.device.type != "cpu":
+            return None
+        if self.cpu_threads == "auto":
+            return 1 if self._num_params < AUTO_SINGLE_THREAD_PARAMS else None
+        return int(self.cpu_threads)
+
     def _run_batch(self, batch: list[_Request]) -> list[TokenOutput]:
         """One ``model.generate`` over ``batch`` (blocking; runs in a worker thread)."""
         import torch
@@ -309,38 +376,46 @@ class HFRolloutReplica(RolloutReplica):
             attention[i, width - len(r.prompt_ids) :] = 1
         params = [r.params for r in batch]
         stops = [eos | set(p.stop_token_ids) for p in params]
-        sampler = _RowSampler(params, self._generator)
-        stopper = _RowStopper(params, stops, width, self.tokenizer)
+        steps = max(p.max_tokens for p in params)
+        sampler: _RowSampler | None = None
+        processors = LogitsProcessorList()
+        if not all(p.greedy for p in params) or any(p.wants_logprobs for p in params):
+            sampler = _RowSampler(params, self._generator, steps, self.device)
+            processors.append(sampler)
+        criteria = StoppingCriteriaList()
+        if _uniform_stopping(params):  # generate's own eos + max_new_tokens check is exact here
+            eos_ids = stops[0]
+        else:
+            eos_ids = eos
+            criteria.append(_RowStopper(params, stops, width, self.tokenizer, self.device))
         config = GenerationConfig(
-            max_new_tokens=max(p.max_tokens for p in params),
-            do_sample=False,  # _RowSampler already chose each token; greedy picks its choice
+            max_new_tokens=steps,
+            do_sample=False,  # the sampler already chose each token; greedy picks its choice
             num_beams=1,
             pad_token_id=pad,
-            eos_token_id=sorted(eos) or None,
-            output_logits=any(p.wants_logprobs for p in params),  # (steps, batch, V) kept: only on demand
-            return_dict_in_generate=True,
+            eos_token_id=sorted(eos_ids) or None,
             use_cache=True,
+            **_neutral_overrides(self.model),
         )
         was_training = self.model.training
         self.model.eval()  # no dropout while generating, whatever mode training left the module in
         try:
-            with torch.no_grad():
-                out = self.model.generate(
+            with torch.no_grad(), _torch_threads(self._intra_op_threads()):
+                sequences = self.model.generate(
                     input_ids=input_ids.to(self.device),
                     attention_mask=attention.to(self.device),
                     generation_config=config,
-                    logits_processor=LogitsProcessorList([sampler]),
-                    stopping_criteria=StoppingCriteriaList([stopper]),
+                    logits_processor=processors,
+                    stopping_criteria=criteria,
                 )
         finally:
             self.model.train(was_training)
-        new = out.sequences[:, width:]
-        token_lp = None
-        if out.logits:  # log_softmax(logits / T)[token] for every row and step at once: (batch, steps)
-            logits = torch.stack(out.logits, dim=1).float()  # (batch, steps, V)
-            logits /= sampler.temps.to(logits.device)[:, None, None]
-            token_lp = torch.log_softmax(logits, -1).gather(-1, new[:, : logits.shape[1], None])[..., 0].cpu()
-        new = new.cpu()
+        new = sequences[:, width:].cpu()
+        token_lp = (
+            sampler.log_probs[:, : new.shape[1]].cpu()
+            if sampler is not None and sampler.log_probs is not None
+            else None
+        )
         results = []
         for i, p in enumerate(params):
             row = new[i].tolist()
@@ -354,13 +429,52 @@ class HFRolloutReplica(RolloutReplica):
                 if cut is not None:
                     n, reason = cut, "stop"
             tokens = row[:n]
-            log_probs = token_lp[i, :n].tolist() if p.wants_logprobs else None
+            log_probs = token_lp[i, :n].tolist() if p.wants_logprobs and token_lp is not None else None
             results.append(TokenOutput(tokens, log_probs, reason))
         return results
 
 
 def _aborted(req: _Request) -> TokenOutput:
     return TokenOutput([], [] if req.params.wants_logprobs else None, "abort")
+
+
+def _neutral_overrides(model: Any) -> dict[str, Any]:
+    """Neutral values for the logits-altering settings the model's ``generation_config`` sets.
+
+    ``generate`` fills every setting left unset in the config it is given from the model's own
+    ``generation_config``; these explicit values keep the model's penalties off the logits.
+    """
+    own = getattr(model, "generation_config", None)
+    return {
+        key: neutral
+        for key, neutral in _NEUTRAL_LOGITS_SETTINGS.items()
+        if getattr(own, key, None) not in (None, neutral)
+    }
+
+
+def _uniform_stopping(params: list[SamplingParams]) -> bool:
+    """Whether generate's native stopping (eos ids, max_new_tokens) ends every row where it should."""
+    first = params[0]
+    return all(
+        p.max_tokens == first.max_tokens and set(p.stop_token_ids) == set(first.stop_token_ids) and not p.stop
+        for p in params
+    )
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads in this thread (None: unchanged), then restore."""
+    import torch
+
+    before = torch.get_num_threads() if n is not None else None
+    if before is None or before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _stop_string_cut(tokenizer: Any, tokens: list[int], stop: tuple[str, ...]) -> int | None:
@@ -373,97 +487,132 @@ def _stop_string_cut(tokenizer: Any, tokens: list[int], stop: tuple[str, ...]) -
 
 
 class _RowSampler:
-    """Logits processor: picks each row's next token under that row's sampling params.
+    """Logits processor: picks each row's next token under that row's params, and records its log-prob.
 
-    Returns scores that are 0 at the chosen token and -inf elsewhere, so greedy ``generate``
-    takes exactly the choice made here. Rows with a seed draw from their own generator.
+    Called once per decoding step with the raw logits ``(batch, vocab)``. Returns scores that are
+    0 at the chosen token and -inf elsewhere, so greedy ``generate`` takes exactly the choice
+    made here (or the scores unchanged when every row is greedy: ``generate``'s own argmax is
+    then the choice). See the module docstring for the sampling method and the seeds.
+
+    Attributes:
+        log_probs: ``(batch, steps)`` float32, column ``t`` filled at step ``t``, or None when no
+            row asked for log-probs.
     """
 
-    def __init__(self, params: list[SamplingParams], generator: Any) -> None:
+    def __init__(self, params: list[SamplingParams], generator: Any, steps: int, device: Any) -> None:
         import torch
 
-        self.params = params
-        self.generator = generator
-        self.greedy = [p.greedy for p in params]
-        self.temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        self.top_k = [p.top_k for p in params]
-        self.top_p = torch.tensor([float(p.top_p) for p in params])
-        self.filter = any(p.top_k > 0 or p.top_p < 1 for p in params)
-        self.row_generators = {}
+        self.step = 0
+        self.greedy_only = all(p.greedy for p in params)
+        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        self.temps = (
+            None if all(t == 1.0 for t in temps) else torch.tensor(temps, device=device)[:, None]
+        )  # (batch, 1)
+        greedy = [p.greedy for p in params]
+        self.greedy_rows = torch.tensor(greedy, device=device) if any(greedy) and not all(greedy) else None
+        filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1)]
+        self.filtered_rows = torch.tensor(filtered, dtype=torch.long, device=device) if filtered else None
+        # per filtered row: k (a huge k when top-k is off) and the nucleus mass (inf when top-p is off)
+        self.top_k = torch.tensor(
+            [params[i].top_k if params[i].top_k > 0 else 2**62 for i in filtered], device=device
+        )[:, None]
+        self.top_p = torch.tensor(
+            [params[i].top_p if params[i].top_p < 1 else float("inf") for i in filtered], device=device
+        )[:, None]
+        # One uniform per row and step, drawn now: a seeded row from its own stream, so its t-th
+        # token always uses the t-th number of torch.Generator(seed), whatever the batch.
+        uniforms = torch.zeros((len(params), steps), dtype=torch.float64)
+        unseeded = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
+        if unseeded:
+            uniforms[unseeded] = torch.rand((len(unseeded), steps), generator=generator, dtype=torch.float64)
         for i, p in enumerate(params):
-            if p.seed is not None and not p.greedy:
-                g = torch.Generator(device="cpu")
-                g.manual_seed(p.seed)
-                self.row_generators[i] = g
-        self.unseeded = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
-        self.unseeded_rows = torch.tensor(self.unseeded, dtype=torch.long)
-        self.sampled_rows = torch.tensor([i for i, p in enumerate(params) if not p.greedy], dtype=torch.long)
+            if not p.greedy and p.seed is not None:
+                row_generator = torch.Generator(device="cpu").manual_seed(p.seed)
+                uniforms[i] = torch.rand(steps, generator=row_generator, dtype=torch.float64)
+        # u < 1 - 2**-52 keeps u * total strictly below the total mass in float64 rounding, so the
+        # inverse-CDF search never runs past the last token of positive probability
+        self.uniforms = uniforms.clamp_(max=1 - 2**-52).to(device)
+        self.log_probs = (
+            torch.zeros((len(params), steps), device=device)
+            if any(p.wants_logprobs for p in params)
+            else None
+        )
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import torch
 
-        scores = scores.float()
-        chosen = scores.argmax(-1).cpu()
-        if not all(self.greedy):
-            logits = scores.cpu() / self.temps[:, None]
-            if self.filter:
-                logits = self._truncate(logits)
-            probs = torch.softmax(logits, -1)
-            # Exponential race: argmax_j p_j / E_j with E_j ~ Exp(1) is a draw from p (exact, and one
-            # vectorised op where torch.multinomial is several times slower on small batches).
-            noise = torch.empty_like(probs)
-            if self.unseeded:
-                noise[self.unseeded_rows] = noise[self.unseeded_rows].exponential_(generator=self.generator)
-            for i, g in self.row_generators.items():
-                noise[i].exponential_(generator=g)
-            sampled = (probs / noise).argmax(-1)
-            chosen[self.sampled_rows] = sampled[self.sampled_rows]
-        out = torch.full_like(scores, float("-inf"))
-        out.scatter_(1, chosen.to(scores.device)[:, None], 0.0)
-        return out
+        step = self.step
+        self.step += 1
+        logits = scores.float()  # generate hands over float32 already: no copy
+        if self.temps is not None:
+            logits = logits / self.temps
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        if self.greedy_only:
+            chosen = logits.argmax(-1)
+        else:
+            probs = (logits - lse).exp_()
+            if self.filtered_rows is not None:
+                probs[self.filtered_rows] = self._truncate(probs[self.filtered_rows])
+            # inverse CDF: the first token whose cumulative mass exceeds u * total (float64 sums)
+            cdf = probs.cumsum(-1, dtype=torch.float64)
+            target = self.uniforms[:, step : step + 1] * cdf[:, -1:]
+            chosen = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+            if self.greedy_rows is not None:
+                chosen = torch.where(self.greedy_rows, logits.argmax(-1), chosen)
+        if self.log_probs is not None:  # log_softmax(logits / T)[token], before any truncation
+            self.log_probs[:, step] = (logits.gather(1, chosen[:, None]) - lse)[:, 0]
+        if self.greedy_only:
+            return scores
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)
 
-    def _truncate(self, logits: Any) -> Any:
+    def _truncate(self, probs: Any) -> Any:
+        """``probs`` of the filtered rows with the tokens outside each row's top-k / top-p zeroed."""
         import torch
 
-        vocab = logits.shape[-1]
-        sorted_logits, order = logits.sort(-1, descending=True)
-        rank = torch.arange(vocab)[None, :]
-        k = torch.tensor([k if k > 0 else vocab for k in self.top_k])[:, None]
-        drop = rank >= k
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), -1)
-        # nucleus: drop a token when the mass before it already reaches top_p (the first always stays)
-        drop |= (probs.cumsum(-1) - probs) >= self.top_p[:, None]
-        return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        sorted_probs, order = probs.sort(-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)
+        sorted_probs = sorted_probs.masked_fill(rank >= self.top_k, 0.0)
+        # nucleus: drop a token once the mass kept before it reaches top_p of the top-k mass
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        total = sorted_probs.sum(-1, keepdim=True)
+        sorted_probs = sorted_probs.masked_fill(before >= self.top_p * total, 0.0)
+        return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
 class _RowStopper:
     """Stopping criterion: a row is done at its own max_tokens, stop id or stop string."""
 
     def __init__(
-        self, params: list[SamplingParams], stops: list[set[int]], prompt_width: int, tokenizer: Any
+        self,
+        params: list[SamplingParams],
+        stops: list[set[int]],
+        prompt_width: int,
+        tokenizer: Any,
+        device: Any,
     ) -> None:
         import torch
 
         self.params = params
         self.width = prompt_width
         self.tokenizer = tokenizer
-        self.max_tokens = torch.tensor([p.max_tokens for p in params])
+        self.max_tokens = torch.tensor([p.max_tokens for p in params], device=device)
         # (row, stop id) pairs, checked against each row's last token in one comparison
         pairs = [(i, t) for i, ids in enumerate(stops) for t in ids]
-        self.stop_rows = torch.tensor([i for i, _ in pairs], dtype=torch.long)
-        self.stop_ids = torch.tensor([t for _, t in pairs], dtype=torch.long)
+        self.stop_rows = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=device)
+        self.stop_ids = torch.tensor([t for _, t in pairs], dtype=torch.long, device=device)
         self.string_rows = [i for i, p in enumerate(params) if p.stop]
 
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
 
         n = input_ids.shape[1] - self.width
-        last = input_ids[:, -1].cpu()
         done = self.max_tokens <= n
         if len(self.stop_ids):
-            hit = last[self.stop_rows] == self.stop_ids
-            done[self.stop_rows[hit]] = True
+            hit = (input_ids[self.stop_rows, -1] == self.stop_ids).long()
+            done |= torch.zeros_like(self.max_tokens).index_add_(0, self.stop_rows, hit) > 0
         for i in self.string_rows:
             if not done[i]:
                 text = self.tokenizer.decode(input_ids[i, self.width :].tolist(), skip_special_tokens=False)
-                done[i] = any(s in text for s in self.params[i].stop)
-        return done.to(input_ids.device)
+                if any(s in text for s in self.params[i].stop):
+                    done[i] = True
+        return done
