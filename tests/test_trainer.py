@@ -67,7 +67,7 @@ def test_tiny_preset_learns_and_reports_everything(tmp_path):
         "response_length/mean", "response_length/max", "response_length/clip_ratio",
         "advantages/mean", "returns/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl",
         "actor/entropy", "actor/grad_norm", "actor/lr", "timing/generate", "timing/reward",
-        "timing/old_log_prob", "timing/advantage", "timing/update_actor", "timing/weight_sync",
+        "timing/advantage", "timing/update_actor", "timing/weight_sync",
         "timing/step", "perf/throughput", "perf/max_memory_allocated_gib", "agent/num_turns/mean",
     ):  # fmt: skip
         assert key in metrics, key
@@ -261,3 +261,33 @@ def test_ppo_with_critic_kl_and_rollout_correction(tmp_path):
 def test_another_critic_free_estimator_runs(tmp_path):
     result = run(tmp_path, *QUICK, "algorithm.adv_estimator=rloo", "trainer.total_training_steps=1")
     assert result.steps == 1 and "advantages/mean" in result.history[0]
+
+
+def test_on_policy_steps_skip_the_old_log_prob_pass_with_the_same_update(tmp_path):
+    from trellis.config import load_config
+    from trellis.trainer import Trainer
+    from trellis.trainer.ppo import on_policy
+
+    weights, timings = [], []
+    for recompute in (False, True):
+        overrides = [*preset_overrides("tiny"), *QUICK, f"trainer.run_dir={tmp_path / str(recompute)}"]
+        overrides += [
+            "trainer.total_training_steps=1",
+            "trainer.save_freq=1",
+            "trainer.val_before_train=false",
+        ]
+        config = load_config(None, overrides)
+        assert on_policy(config)  # one update over the whole batch
+        trainer = Trainer(config)
+        assert trainer.recompute_old_log_probs is False
+        trainer.recompute_old_log_probs = recompute
+        result = trainer.fit()
+        timings.append("timing/old_log_prob" in result.history[0])
+        manager = CheckpointManager(tmp_path / str(recompute) / "checkpoints")
+        weights.append(manager.load(result.last_checkpoint)["actor"]["model"])
+    assert timings == [False, True]
+    skipped, recomputed = weights
+    for name in skipped:  # the same gradient: ratio 1 either way (to float rounding of the recomputation)
+        torch.testing.assert_close(skipped[name], recomputed[name], rtol=0, atol=1e-6)
+    config = load_config(None, [*preset_overrides("tiny"), "actor.ppo_epochs=2"])
+    assert not on_policy(config)

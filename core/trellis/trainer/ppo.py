@@ -100,6 +100,10 @@ class Trainer:
         self.worker_env = dict(worker_env or {})
         self.run_dir = os.path.abspath(config.trainer.run_dir)
         self.groups: list[Any] = []
+        self.recompute_old_log_probs = not on_policy(config)
+        """False when the update is one gradient step on the whole batch: the old policy is then the
+        current one, the actor loss uses its own log-probs (detached) as the old ones, and the extra
+        forward pass is skipped (as TRL does). Set True to always recompute them."""
 
     # ------------------------------------------------------------------ setup
 
@@ -264,9 +268,11 @@ class Trainer:
             timer.seconds["reward"] = reward_s
             timer.seconds["generate"] -= reward_s
             reward_metrics = self._reward_metrics(batch)
-            with timer("old_log_prob"):
-                batch = batch.union(self.actor_wg.compute_log_prob(batch))
-            entropy = masked_mean(batch.batch["entropys"], batch.batch["response_mask"].float())
+            entropy = None
+            if self.recompute_old_log_probs:
+                with timer("old_log_prob"):
+                    batch = batch.union(self.actor_wg.compute_log_prob(batch))
+                entropy = masked_mean(batch.batch["entropys"], batch.batch["response_mask"].float())
             if cfg.ref.enable:
                 with timer("ref"):
                     batch = batch.union(self.actor_wg.compute_ref_log_prob(batch))
@@ -289,7 +295,8 @@ class Trainer:
         metrics.update(reward_metrics)
         metrics.update(algo_metrics)
         metrics.update(update_metrics)
-        metrics["actor/entropy_rollout"] = float(entropy)
+        if entropy is not None:
+            metrics["actor/entropy_rollout"] = float(entropy)
         metrics.update(M.compute_timing_metrics(timings))
         metrics.update(M.compute_throughput_metrics(batch, timings, self.world_size))
         metrics.update(M.peak_memory_metrics())
@@ -321,7 +328,7 @@ class Trainer:
             metrics.update({"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta})
         else:
             b["token_level_rewards"] = scores
-        if "ref_log_prob" in b:
+        if "ref_log_prob" in b and "old_log_probs" in b:
             metrics["actor/kl_ref"] = float(
                 masked_mean(kl_penalty(b["old_log_probs"], b["ref_log_prob"], "kl"), mask.float())
             )
@@ -510,3 +517,16 @@ def _numbered(batch: DataProto) -> DataProto:
 
     batch.non_tensor_batch[ROW_KEY] = np.arange(len(batch), dtype=np.int64)
     return batch
+
+
+def on_policy(config: Any) -> bool:
+    """Whether a step's update is exactly one optimizer step over the whole batch with nothing else
+    reading the old log-probs (no KL in the reward, no rollout correction), so they equal the
+    current policy's and need no separate forward pass."""
+    actor, algorithm = config.actor, config.algorithm
+    return (
+        actor.ppo_epochs == 1
+        and actor.ppo_mini_batch_size == config.data.train_batch_size
+        and not algorithm.use_kl_in_reward
+        and not algorithm.rollout_correction.enabled
+    )

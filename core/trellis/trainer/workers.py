@@ -223,8 +223,10 @@ class ActorRolloutRefWorker(_Role):
         log_prob = outputs["log_probs"]
         weights = batch.get("rollout_is_weights", None)
         loss_cfg = {**self.loss_config, "global_batch_info": info}
+        # on-policy steps skip the old-log-prob pass: the policy before this update is the current one
+        old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
         pg_loss, pg_metrics = self.policy_loss(
-            batch["old_log_probs"], log_prob, batch["advantages"], mask, cfg.loss_agg_mode, loss_cfg, weights
+            old_log_prob, log_prob, batch["advantages"], mask, cfg.loss_agg_mode, loss_cfg, weights
         )
         metrics = {k: v for k, v in pg_metrics.items()}
         # the loss is this micro-batch's share of the global mean; as a metric, its own mean
