@@ -271,6 +271,8 @@ class AgentLoopManager:
                 "AgentLoopManager needs a response length: set rollout.max_tokens or pass response_length "
                 "(data.max_response_length)."
             )
+        from trellis.data.dataset import _pad_id
+
         self.pad_token_id = _pad_id(tokenizer)
         self._loop_classes: dict[str, type] = {}
 
@@ -422,14 +424,6 @@ def _metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
         values = [float(o.metrics.get(key, 0.0)) for o in outputs]
         metrics[key] = math.fsum(values) / len(values)
     return metrics
-
-
-def _pad_id(tokenizer: Any) -> int:
-    for attr in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, attr, None)
-        if value is not None:
-            return int(value)
-    raise ValueError("The tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
 
 
 def load_tool_config(path: str) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from trellis.algorithms.kl import get_kl_controller, kl_penalty
 from trellis.algorithms.masked import masked_mean
 from trellis.data.protocol import DataProto
 from trellis.trainer import metrics as M
+from trellis.utils.timing import marked_timer
 
 logger = logging.getLogger(__name__)
 
@@ -54,23 +54,6 @@ class TrainResult:
     last_checkpoint: str | None = None
     best_checkpoint: str | None = None
     reward_curve: str | None = None
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, name: str) -> Any:
-        timer = self
-
-        class _Span:
-            def __enter__(self) -> None:
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc: object) -> None:
-                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.start
-
-        return _Span()
 
 
 def _seed_everything(seed: int) -> None:
@@ -251,13 +234,13 @@ class Trainer:
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         """One PPO step on a batch of prompts; returns its metrics."""
         cfg = self.config
-        timer = _Timer()
-        with timer("step"):
+        timings: dict[str, float] = {}
+        with marked_timer("step", timings):
             prompts.non_tensor_batch["uid"] = np.array(
                 [f"{self.step}-{i}" for i in range(len(prompts))], dtype=object
             )
             prompts.meta_info["global_steps"] = self.step
-            with timer("generate"):
+            with marked_timer("generate", timings):
                 batch = self.actor_wg.generate_sequences(
                     _numbered(prompts.repeat(cfg.rollout.n, interleave=True))
                 )
@@ -265,29 +248,28 @@ class Trainer:
             # scoring runs inside the generate call, on the workers: split its time out
             reward_s = gen_metrics.pop("timing/reward_worker", 0.0)
             gen_metrics.pop("timing/generate_worker", None)
-            timer.seconds["reward"] = reward_s
-            timer.seconds["generate"] -= reward_s
+            timings["reward"] = reward_s
+            timings["generate"] -= reward_s
             reward_metrics = self._reward_metrics(batch)
             entropy = None
             if self.recompute_old_log_probs:
-                with timer("old_log_prob"):
+                with marked_timer("old_log_prob", timings):
                     batch = batch.union(self.actor_wg.compute_log_prob(batch))
                 entropy = masked_mean(batch.batch["entropys"], batch.batch["response_mask"].float())
             if cfg.ref.enable:
-                with timer("ref"):
+                with marked_timer("ref", timings):
                     batch = batch.union(self.actor_wg.compute_ref_log_prob(batch))
             if self.critic_wg is not None:
-                with timer("values"):
+                with marked_timer("values", timings):
                     batch = batch.union(self.critic_wg.compute_values(batch))
-            with timer("advantage"):
+            with marked_timer("advantage", timings):
                 algo_metrics = self._advantages(batch)
             update_metrics: dict[str, float] = {}
             if self.critic_wg is not None:
-                with timer("update_critic"):
+                with marked_timer("update_critic", timings):
                     update_metrics.update(M.mean_metrics(self.critic_wg.update_critic(batch)))
-            with timer("update_actor"):
+            with marked_timer("update_actor", timings):
                 update_metrics.update(M.mean_metrics(self.actor_wg.update_actor(batch)))
-        timings = timer.seconds
         timings["weight_sync"] = update_metrics.pop("timing/weight_sync", 0.0)
         metrics: dict[str, float] = {"training/global_step": float(self.step)}
         metrics.update(M.compute_data_metrics(batch, cfg.data.max_response_length))
