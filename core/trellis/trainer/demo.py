@@ -5,13 +5,19 @@
 The task is generated here, on the fly and seeded: one-step word problems (add, take away,
 multiply) such as "Mia has 7 marbles and gets 5 more. How many marbles does Mia have now? Answer
 with the number only.", scored by the built-in ``arithmetic`` reward (1 when the last integer of
-the response is the answer, else 0). Responses are capped at a few tokens, so the model must
-answer briefly: out of the box SmolLM2-135M-Instruct explains at length and is cut off before its
-answer, or gets the sum wrong; GRPO teaches it to answer at once, and right.
+the response is the answer, else 0). Responses are capped at 16 tokens, so the model must answer
+briefly: out of the box SmolLM2-135M-Instruct (greedy) restates the problem at length and is cut
+off before its answer, or gets the sum wrong, on over 95% of the held-out problems. GRPO teaches
+it to write one short equation and stop ("Zoe has 3 + 2 = 5"), and to get more of them right.
 
 The held-out problems use operand pairs that no training problem uses. The trainer's greedy
 validations before the first step and after the last measure the held-out accuracy;
 :func:`main` prints both, the gain, the wall time and the path of the reward curve.
+
+Measured on 2 cores (x86-64 with AMX, torch 2.13): 40 steps of about 13 s (generation 4 s, update
+9 s), 9 minutes in all with model loading and both validations; held-out accuracy went from 3.5%
+to 54.0% (``trainer.seed=1``, the default) and to 57.5% (``trainer.seed=2``). Peak memory is about
+13 GB. With another busy process on the same two cores, two torch threads slow down several-fold.
 """
 
 from __future__ import annotations
