@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -194,6 +194,39 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if not isinstance(value, torch.dtype):
         raise ValueError(f"Unknown dtype {dtype!r}; expected a torch dtype name such as 'bfloat16'.")
     return value
+
+
+async def send_pipelined(
+    named_tensors: NamedTensors,
+    bucket_bytes: int,
+    dtype: Any,
+    send_bucket: Callable[[Any], None],
+    send_end: Callable[[], None],
+) -> None:
+    """Stream ``named_tensors`` as buckets: ``send_bucket`` runs in a worker thread for one bucket while
+    the caller's iterator (and the dtype cast) produces the next; ``send_end`` follows the last.
+
+    On any failure the bucket in flight is let finish first (a thread cannot be cancelled), then the
+    exception propagates for the engine to tear down.
+    """
+    import asyncio
+    import contextlib
+
+    inflight: asyncio.Future[None] | None = None
+    try:
+        for bucket in iter_buckets(named_tensors, bucket_bytes, dtype=dtype):
+            if inflight is not None:
+                await inflight
+            inflight = asyncio.ensure_future(asyncio.to_thread(send_bucket, bucket))
+        if inflight is not None:
+            await inflight
+            inflight = None
+        await asyncio.to_thread(send_end)
+    except BaseException:
+        if inflight is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(inflight)
+        raise
 
 
 def consume(named_tensors: NamedTensors) -> None:

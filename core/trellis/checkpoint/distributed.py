@@ -37,7 +37,7 @@ from trellis.checkpoint.base import (
     decode_header,
     encode_header,
     fill_bucket,
-    iter_buckets,
+    send_pipelined,
 )
 from trellis.errors import WeightSyncError
 
@@ -207,22 +207,12 @@ class BroadcastCheckpointEngine(CheckpointEngine):
             consume(named_tensors)
             return
         self._check("sender")
-        inflight: asyncio.Future[None] | None = None
         try:
-            # The trainer's iterator (and the dtype cast) runs here while a worker thread packs and
-            # broadcasts the previous bucket.
-            for bucket in iter_buckets(named_tensors, self.bucket_bytes, dtype=self.dtype):
-                if inflight is not None:
-                    await inflight
-                inflight = asyncio.ensure_future(asyncio.to_thread(self._send_bucket, bucket))
-            if inflight is not None:
-                await inflight
-                inflight = None
-            await asyncio.to_thread(self._send_end)
+            # a worker thread packs and broadcasts one bucket while the iterator produces the next
+            await send_pipelined(
+                named_tensors, self.bucket_bytes, self.dtype, self._send_bucket, self._send_end
+            )
         except BaseException as exc:
-            if inflight is not None:  # a thread cannot be cancelled: let it stop before the teardown
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(inflight)
             # Tell the receivers only when the wire is between buckets (the iterator failed);
             # after a transport error they will see the group fail. In a thread: a receiver may
             # share this event loop.

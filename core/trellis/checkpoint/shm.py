@@ -43,7 +43,7 @@ from trellis.checkpoint.base import (
     decode_header,
     encode_header,
     fill_bucket,
-    iter_buckets,
+    send_pipelined,
 )
 from trellis.errors import WeightSyncError
 
@@ -247,22 +247,12 @@ class ShmCheckpointEngine(CheckpointEngine):
             consume(named_tensors)
             return
         self._check("sender")
-        inflight: asyncio.Future[None] | None = None
         try:
-            # The trainer's iterator (and the dtype cast) runs here while a worker thread copies
-            # the previous bucket into shared memory and announces it.
-            for bucket in iter_buckets(named_tensors, self.bucket_bytes, dtype=self.dtype):
-                if inflight is not None:
-                    await inflight
-                inflight = asyncio.ensure_future(asyncio.to_thread(self._send_bucket, bucket))
-            if inflight is not None:
-                await inflight
-                inflight = None
-            await asyncio.to_thread(self._send_end)
+            # a worker thread copies one bucket into shared memory while the iterator produces the next
+            await send_pipelined(
+                named_tensors, self.bucket_bytes, self.dtype, self._send_bucket, self._send_end
+            )
         except BaseException as exc:
-            if inflight is not None:  # a thread cannot be cancelled: let it stop before the teardown
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(inflight)
             await asyncio.to_thread(
                 self._abort, f"{type(exc).__name__}: {exc}"
             )  # a receiver may share this loop
