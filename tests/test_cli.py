@@ -189,3 +189,41 @@ def test_doctor_asks_each_device_backend_whether_it_is_available(capsys):
     assert ["fake_yes", "yes", "7"] in rows
     assert ["fake_no", "no", "3"] in rows
     assert ["fake_err", "error:", "RuntimeError: driver 550 too old"] in rows
+
+
+def test_doctor_reports_each_rollout_replica_and_why_it_is_unavailable(capsys):
+    from trellis.registries import rollout_replicas
+    from trellis.rollout import RolloutReplica
+
+    class NeedsGpu(RolloutReplica):
+        @classmethod
+        def unavailable_reason(cls):
+            return "CUDA is not available: this engine runs on NVIDIA GPUs only"
+
+    class Broken(NeedsGpu):
+        @classmethod
+        def unavailable_reason(cls):
+            raise RuntimeError("probe crashed")
+
+    for cls in (NeedsGpu, Broken):
+        cls.__abstractmethods__ = frozenset()
+    rollout_replicas.register("fake_gpu_only", NeedsGpu)
+    rollout_replicas.register("fake_broken_probe", Broken)
+    try:
+        main(["doctor"])
+    finally:
+        rollout_replicas.unregister("fake_gpu_only")
+        rollout_replicas.unregister("fake_broken_probe")
+    out = capsys.readouterr().out
+    section = out[out.index("Rollout replicas") :]
+    rows = [line.split(None, 3) for line in section.splitlines()]
+    assert ["hf", "yes", "trellis-rl"] in rows
+    assert [
+        "fake_gpu_only",
+        "no",
+        "(in-process)",
+        "CUDA is not available: this engine runs on NVIDIA GPUs only",
+    ] in rows
+    assert ["fake_broken_probe", "error:", "RuntimeError:", "probe crashed  (in-process)"] in [
+        [*row[:3], row[3].rstrip()] for row in rows if len(row) == 4
+    ]

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
+from typing import Any
 
 from trellis._version import __version__
 
@@ -183,6 +184,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if not rows:
         rows.append(["(none installed)", "", "", ""])
     _print_table("Device backends", ["backend", "available", "priority", "reason"], rows)
+    _print_table("Rollout replicas", ["replica", "available", "provider", "reason"], _replica_rows())
     try:
         import torch
 
@@ -201,6 +203,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if failures:
         print("Run 'trellis plugins check' for the full report.")
     return 1 if failures else 0
+
+
+def _replica_rows() -> list[list[Any]]:
+    """One row per rollout replica: whether it can run here and, if not, why (its own words)."""
+    from trellis.registries import rollout_replicas
+
+    providers = {r["name"]: r["provider"] for r in _all_entries("rollout_replicas")}
+    rows: list[list[Any]] = []
+    for name in rollout_replicas.names():
+        provider = providers.get(name, "(in-process)")
+        try:
+            explain = getattr(rollout_replicas.get(name), "unavailable_reason", None)
+            reason = explain() if callable(explain) else None
+        except Exception as exc:
+            rows.append([name, f"error: {type(exc).__name__}: {exc}", provider, ""])
+            continue
+        rows.append([name, "no" if reason else "yes", provider, reason or ""])
+    return rows or [["(none installed)", "", "", ""]]
 
 
 # ---------------------------------------------------------------- export

@@ -49,6 +49,16 @@ class RolloutReplica(abc.ABC):
         self.model_config = model_config
         self.mode: str | None = None
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run on this machine (say how to fix it), or None when it can.
+
+        ``trellis doctor`` lists it for every registered replica. Backends whose engine is an
+        optional package or needs particular hardware override it; it must stay cheap: find the
+        engine package (``importlib.util.find_spec``) rather than import it.
+        """
+        return None
+
     @staticmethod
     def check_mode(mode: str) -> str:
         """``mode`` itself when it is one of :data:`MODES`; else ``ValueError`` listing them."""
