@@ -254,7 +254,9 @@ def test_ppo_with_critic_kl_and_rollout_correction(tmp_path):
         assert key in metrics, key
     assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.001, rel=0.5)  # adaptive, moved a bit
     # rollout and trainer log-probs agree (same model, fp32): importance weights are ~1
-    assert any(k.startswith("rollout_corr/") for k in metrics)
+    assert metrics["rollout_corr/ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert not any(k.startswith("rollout_corr/rollout_corr/") for k in metrics)
     assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-3)
 
 

@@ -322,7 +322,7 @@ class Trainer:
                 b["rollout_is_weights"] = weights
             b["response_mask"] = new_mask.to(mask.dtype)
             mask = b["response_mask"]
-            metrics.update({f"rollout_corr/{k}": float(v) for k, v in rc_metrics.items()})
+            metrics.update({k: float(v) for k, v in rc_metrics.items()})  # keys carry rollout_corr/
         estimator = get_adv_estimator_fn(cfg.adv_estimator)
         extra = {"values": b["values"]} if "values" in b else {}
         advantages, returns = estimator(
@@ -475,6 +475,12 @@ class Trainer:
             self._own_ray = True
 
     def _shutdown(self) -> None:
+        actor_wg = getattr(self, "actor_wg", None)
+        if actor_wg is not None:  # engines of plugin replicas run processes of their own
+            try:
+                actor_wg.release_rollout()
+            except Exception:
+                logger.exception("Could not shut the rollout replicas down.")
         for group in self.groups:
             try:
                 group.shutdown()

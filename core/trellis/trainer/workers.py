@@ -160,6 +160,17 @@ class ActorRolloutRefWorker(_Role):
         asyncio.run(self._weight_sync.sync(self.actor.iter_full_params(), [self.replica]))
         return time.perf_counter() - start
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def release_rollout(self) -> None:
+        """Shut this rank's replica down (a backend's engine process, server, ...) and the sync engines."""
+        replica, self.replica = getattr(self, "replica", None), None
+        sync, self._weight_sync = getattr(self, "_weight_sync", None), None
+        if sync is not None:
+            sync.close()
+        shutdown = getattr(replica, "shutdown", None)
+        if shutdown is not None:
+            asyncio.run(shutdown())
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses to this rank's prompts (agent loops over its replica), scored.
