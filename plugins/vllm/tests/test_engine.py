@@ -245,6 +245,27 @@ def test_hybrid_mode_serves_the_module_it_is_given(model_path, prompts):
         assert a.log_probs == pytest.approx(b.log_probs, abs=1e-4)
 
 
+def test_standalone_mode_loads_its_own_copy(model_path, prompts, hf):
+    replica = _replica("vllm", model_path)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=True)
+
+    async def run():
+        await replica.init("standalone")
+        try:
+            assert replica.mode == "standalone" and replica.server_address is None
+            return await asyncio.gather(
+                *(replica.generate(p, params, f"s{i}") for i, p in enumerate(prompts))
+            )
+        finally:
+            await replica.shutdown()
+
+    ours = asyncio.run(run())
+    assert [o.token_ids for o in ours] == [o.token_ids for o in _gather(hf, prompts, params)]
+    assert replica.engine is None
+    with pytest.raises(RuntimeError, match=r"generate before init\(\)"):
+        _gather(replica, prompts[:1], params)
+
+
 def _engine_children():
     import psutil
 

@@ -60,19 +60,18 @@ every other key goes to ``vllm.AsyncEngineArgs`` as it is (``max_model_len``,
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import importlib.util
 import itertools
 import logging
 import os
 import tempfile
-import threading
 import weakref
-from collections.abc import Coroutine, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from trellis.rollout import RolloutReplica, SamplingParams, TokenOutput
+from trellis.utils.loop_thread import LoopThread
 
 logger = logging.getLogger(__name__)
 
@@ -111,40 +110,7 @@ def token_output(completion: Any, wants_logprobs: bool) -> TokenOutput:
     return TokenOutput(tokens, log_probs, stop_reason)
 
 
-class _LoopThread:
-    """An event loop running forever in a daemon thread; coroutines are handed to it from anywhere."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    async def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Await ``coro`` on this loop from the caller's loop; cancelling the caller cancels it."""
-        future = self.submit(coro)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-        if not self.thread.is_alive():
-            self.loop.close()
-
-
-def _shutdown_engine(loop_thread: _LoopThread, state: dict[str, Any]) -> None:
+def _shutdown_engine(loop_thread: LoopThread, state: dict[str, Any]) -> None:
     """Stop the server, the engine and the loop (also run at garbage collection / exit)."""
     engine, server = state.pop("engine", None), state.pop("server", None)
     if engine is None and server is None:
@@ -161,7 +127,7 @@ def _shutdown_engine(loop_thread: _LoopThread, state: dict[str, Any]) -> None:
             engine.shutdown()
 
     with contextlib.suppress(Exception):
-        loop_thread.submit(close()).result(timeout=60)
+        loop_thread.run(close(), timeout=60)
     loop_thread.stop()
 
 
@@ -186,7 +152,7 @@ class VLLMRolloutReplica(RolloutReplica):
         self._kv_asleep = False
         self._reload_open = False
         self._address: str | None = None
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._state: dict[str, Any] = {}
         self._finalizer: Any = None
         self._tied: dict[str, str] = {}  # input-embedding name -> output name sharing its weight
@@ -216,7 +182,7 @@ class VLLMRolloutReplica(RolloutReplica):
             raise RuntimeError("VLLMRolloutReplica.init called twice; shut the replica down first.")
         self._tied = await asyncio.to_thread(_tied_weights, self.model_config)
         self._set_environment()
-        self._loop = _LoopThread(f"trellis-vllm-{self.replica_rank}")
+        self._loop = LoopThread(f"trellis-vllm-{self.replica_rank}")
         self._finalizer = weakref.finalize(self, _shutdown_engine, self._loop, self._state)
         try:
             await asyncio.wait_for(self._loop.call(self._start()), timeout=self.startup_timeout_s)
