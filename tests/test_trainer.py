@@ -293,3 +293,11 @@ def test_on_policy_steps_skip_the_old_log_prob_pass_with_the_same_update(tmp_pat
         torch.testing.assert_close(skipped[name], recomputed[name], rtol=0, atol=1e-6)
     config = load_config(None, [*preset_overrides("tiny"), "actor.ppo_epochs=2"])
     assert not on_policy(config)
+
+
+def test_check_grpo_run_kit_passes_on_the_hf_replica(tmp_path):
+    from trellis.testing.rollout import check_grpo_run
+
+    result = check_grpo_run("hf", str(tmp_path / "run"), steps=2, weight_sync=False)
+    assert result.steps == 2 and all(m["timing/weight_sync"] == 0 for m in result.history)  # shared module
+    assert all(m["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-4) for m in result.history)

@@ -238,3 +238,59 @@ def replica_vocab_size(model_path: str) -> int:
     from transformers import AutoConfig
 
     return int(AutoConfig.from_pretrained(model_path).vocab_size)
+
+
+def check_grpo_run(
+    replica_name: str,
+    run_dir: str,
+    *,
+    steps: int = 3,
+    log_prob_atol: float = 1e-4,
+    weight_sync: bool = True,
+    overrides: tuple[str, ...] | list[str] = (),
+) -> Any:
+    """Train the ``tiny`` preset with GRPO for ``steps`` steps on ``rollout.name=replica_name``, and check it.
+
+    The end-to-end proof for a rollout backend: the trainer generates through the replica, syncs
+    the updated weights into it after every step, and shuts it down at the end. Checks, per step:
+    weight sync ran (``timing/weight_sync > 0``; pass ``weight_sync=False`` for a replica that
+    serves the training module itself, like ``hf`` in hybrid mode), rewards in [0, 1], responses within the
+    preset's 16 tokens, and the replica's log-probs equal the trainer's recomputation
+    (``rollout_corr/ppl_ratio`` within ``log_prob_atol`` of 1, on the same fp32 weights); and that
+    ``metrics.jsonl`` has one row per step. ``overrides`` are added last. Returns the
+    :class:`~trellis.trainer.TrainResult` for more checks.
+    """
+    import json
+    import os
+
+    import trellis
+    from trellis.trainer.presets import preset_overrides
+
+    result = trellis.train(
+        overrides=[
+            *preset_overrides("tiny"),
+            f"rollout.name={replica_name}",
+            "rollout.calculate_log_probs=true",
+            "algorithm.rollout_correction.rollout_is=token",
+            f"trainer.total_training_steps={steps}",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.trackers=[jsonl]",
+            "trainer.resume_mode=disable",
+            f"trainer.run_dir={run_dir}",
+            *overrides,
+        ]
+    )
+    assert result.steps == steps and len(result.history) == steps, (result.steps, len(result.history))
+    for step, metrics in enumerate(result.history, 1):
+        if weight_sync:
+            assert metrics["timing/weight_sync"] > 0, f"step {step}: no weight sync into the replica"
+        assert 0 <= metrics["reward/mean"] <= 1, (step, metrics["reward/mean"])
+        assert metrics["response_length/max"] <= 16, (step, metrics["response_length/max"])
+        ratio = metrics["rollout_corr/ppl_ratio"]
+        assert abs(ratio - 1) <= log_prob_atol, (
+            f"step {step}: the replica's log-probs differ from the trainer's (ppl ratio {ratio})"
+        )
+    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, steps + 1))
+    return result

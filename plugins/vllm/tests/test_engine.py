@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 import urllib.request
 
@@ -285,34 +284,12 @@ def _engine_processes() -> set[int]:
 
 
 def test_grpo_three_steps_with_rollout_name_vllm(tmp_path):
-    import trellis
-    from trellis.trainer.presets import preset_overrides
+    from trellis.testing.rollout import check_grpo_run
 
     before = _engine_processes()  # the module's shared engine runs meanwhile
-    result = trellis.train(
-        overrides=[
-            *preset_overrides("tiny"),
-            "rollout.name=vllm",
-            "rollout.calculate_log_probs=true",
-            "algorithm.rollout_correction.rollout_is=token",
-            "trainer.total_training_steps=3",
-            "trainer.test_freq=-1",
-            "trainer.val_before_train=false",
-            "trainer.trackers=[jsonl]",
-            "trainer.resume_mode=disable",
-            f"trainer.run_dir={tmp_path / 'run'}",
-        ]
-    )
-    assert result.steps == 3 and len(result.history) == 3
-    for metrics in result.history:
-        assert metrics["timing/weight_sync"] > 0  # the engine got the new weights after every update
-        assert 0 <= metrics["reward/mean"] <= 1
-        assert metrics["response_length/max"] <= 16
-        # vLLM's sampling log-probs match the trainer's recomputation (same weights, fp32)
+    result = check_grpo_run("vllm", str(tmp_path / "run"))
+    for metrics in result.history:  # vLLM's sampling log-probs are the trainer's (same weights, fp32)
         assert metrics["rollout_corr/kl_k3"] == pytest.approx(0.0, abs=1e-6)
-        assert metrics["rollout_corr/ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
-    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
     deadline = time.time() + 30
     while _engine_processes() - before and time.time() < deadline:
         time.sleep(0.5)
