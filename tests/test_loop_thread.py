@@ -90,3 +90,28 @@ def test_run_from_the_loop_thread_itself_is_refused():
         assert lt.run(inner(), timeout=5)
     finally:
         lt.stop()
+
+
+def test_stop_joins_the_executor_threads_of_to_thread_calls():
+    before = set(threading.enumerate())
+    lt = LoopThread("engine")
+
+    async def blocking_work():
+        return await asyncio.to_thread(lambda: threading.current_thread().name)
+
+    assert lt.run(blocking_work(), timeout=5) != "engine"  # ran on an executor thread of the loop
+    assert len(set(threading.enumerate()) - before) == 2  # the loop's thread and one executor thread
+    lt.stop()
+    assert set(threading.enumerate()) - before == set()
+
+
+def test_stop_from_the_loops_own_thread_finishes_the_teardown_there():
+    lt = LoopThread("engine")
+
+    async def stop_from_inside():
+        lt.stop()  # e.g. a replica's finalizer that the garbage collector ran on this thread
+        return "asked"
+
+    assert lt.run(stop_from_inside(), timeout=5) == "asked"
+    lt.thread.join(5)
+    assert not lt.thread.is_alive() and lt.loop.is_closed() and not lt.running

@@ -34,7 +34,19 @@ class LoopThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:  # stopped: the thread tears its loop down itself, whoever asked it to stop
+            self.loop.run_until_complete(self._cancel_pending())
+            # loop.close() would only signal the executor's threads (shutdown(wait=False))
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            self.loop.close()
+
+    async def _cancel_pending(self) -> None:
+        tasks = [t for t in asyncio.all_tasks(self.loop) if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     @property
     def running(self) -> bool:
@@ -69,20 +81,19 @@ class LoopThread:
         return self.submit(coro).result(timeout)
 
     def stop(self, timeout: float = 30) -> None:
-        """Stop the loop and join the thread (idempotent). Tasks still pending are cancelled."""
+        """Stop the loop: pending tasks are cancelled, the default executor's threads (``asyncio.to_thread``
+        calls made on the loop) joined, the loop closed. Idempotent.
+
+        From another thread it waits up to ``timeout`` seconds for all that. From the loop's own
+        thread (a callback or a finalizer running there) it only asks the loop to stop; the
+        thread finishes the teardown once the current callback returns.
+        """
         if self.loop.is_closed():
             return
-
-        async def cancel_pending() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
-                asyncio.run_coroutine_threadsafe(cancel_pending(), self.loop).result(timeout)
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is self.thread:
+            self.loop.stop()
+            return
+        if self.thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout)
-        if not self.thread.is_alive():
-            self.loop.close()
