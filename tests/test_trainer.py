@@ -301,3 +301,63 @@ def test_check_grpo_run_kit_passes_on_the_hf_replica(tmp_path):
     result = check_grpo_run("hf", str(tmp_path / "run"), steps=2, weight_sync=False)
     assert result.steps == 2 and all(m["timing/weight_sync"] == 0 for m in result.history)  # shared module
     assert all(m["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-4) for m in result.history)
+
+
+def test_replicas_with_their_own_weights_sleep_between_rollouts(tmp_path):
+    from trellis.registries import rollout_replicas
+    from trellis.rollout.hf import HFRolloutReplica
+
+    calls = []
+
+    class Recording(HFRolloutReplica):
+        """The hf replica with its own copy of the weights, recording its lifecycle."""
+
+        async def init(self, *args, **kwargs):
+            calls.append("init")
+            return await super().init(*args, **kwargs)
+
+        async def generate(self, *args, **kwargs):
+            calls.append("generate")
+            return await super().generate(*args, **kwargs)
+
+        async def sleep(self):
+            calls.append("sleep")
+            await super().sleep()
+
+        async def wake_up(self):
+            calls.append("wake_up")
+            await super().wake_up()
+
+        async def update_weights(self, named_tensors):
+            calls.append("update_weights")
+            await super().update_weights(named_tensors)
+
+        async def shutdown(self):
+            calls.append("shutdown")
+            await super().shutdown()
+
+    rollout_replicas.register("recording_hf", Recording)
+    try:
+        result = run(
+            tmp_path, *QUICK, "rollout.name=recording_hf", "trainer.total_training_steps=2",
+            "trainer.test_freq=2", "trainer.val_before_train=true",
+        )  # fmt: skip
+        collapsed = [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
+        sync = ["wake_up", "update_weights"]
+        assert collapsed == [
+            "init", *sync,
+            "generate", "sleep",  # validation before training
+            "wake_up", "generate", "sleep", *sync,  # step 1: woken for its rollout, synced after the update
+            "generate", "sleep", *sync,  # step 2
+            "generate", "sleep",  # validation after step 2
+            "shutdown",
+        ]  # fmt: skip
+        assert result.steps == 2
+        off = run(
+            tmp_path, *QUICK, "rollout.name=recording_hf", "trainer.total_training_steps=1",
+            "trainer.test_freq=-1", "trainer.val_before_train=false", "rollout.free_cache_engine=false",
+            name="no_sleep",
+        )  # fmt: skip
+        assert off.steps == 1 and calls.count("sleep") == 4  # the second run never slept
+    finally:
+        rollout_replicas.unregister("recording_hf")

@@ -448,7 +448,10 @@ class RolloutConfig(BaseConfig):
         le=1,
     )
     free_cache_engine: bool = knob(
-        True, "Release the KV cache while training runs (hybrid mode), giving its memory to training."
+        True,
+        "Put the replica to sleep after each rollout, giving its KV cache (and, where the backend "
+        "can, its weights) to training; the next weight sync wakes it. Replicas with their own "
+        "weights only (vllm, sglang, hf colocated).",
     )
     calculate_log_probs: bool = knob(
         False,

@@ -157,8 +157,14 @@ class ActorRolloutRefWorker(_Role):
         start = time.perf_counter()
         if getattr(self, "_weight_sync", None) is None:  # one engine pair for the whole run
             self._weight_sync = WeightSyncManager(self.config.rollout.checkpoint_engine)
+        # the sync wakes the replica (weights first), loads every bucket, then resumes it
         asyncio.run(self._weight_sync.sync(self.actor.iter_full_params(), [self.replica]))
+        self._rollout_asleep = False
         return time.perf_counter() - start
+
+    def _sleeps_between_rollouts(self) -> bool:
+        """Whether the replica releases memory while training runs (own weights and free_cache_engine)."""
+        return not getattr(self, "shares_weights", False) and bool(self.config.rollout.free_cache_engine)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def release_rollout(self) -> None:
@@ -181,7 +187,13 @@ class ActorRolloutRefWorker(_Role):
         ``reward_extra/<field>``.
         """
         start = time.perf_counter()
+        if getattr(self, "_rollout_asleep", False):  # e.g. validation right after a training rollout
+            asyncio.run(_wake(self.replica))
+            self._rollout_asleep = False
         batch = self.agents.generate_sequences(prompts)
+        if self._sleeps_between_rollouts():  # KV cache (and on GPUs the weights) back to training
+            asyncio.run(self.replica.sleep())
+            self._rollout_asleep = True
         metrics = dict(batch.meta_info.get("metrics") or {})
         metrics["timing/generate_worker"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -327,3 +339,15 @@ class CriticWorker(_Role):
     @register(dispatch_mode=Dispatch.DP_COMPUTE)
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.critic.load_state_dict(state)
+
+
+async def _wake(replica: Any) -> None:
+    """Wake ``replica`` and let it serve again (``resume`` where the backend stages its wake-up).
+
+    A module function, not a worker method: a Ray actor with any ``async def`` method becomes an
+    async actor, whose methods run inside an event loop where ``asyncio.run`` is refused.
+    """
+    await replica.wake_up()
+    resume = getattr(replica, "resume", None)
+    if resume is not None:
+        await resume()

@@ -7,8 +7,6 @@ fixture puts behind ``SGLangRolloutReplica.load_sglang`` is the engine the train
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 
 import pytest
@@ -19,37 +17,14 @@ from trellis.utils.fs import CACHE_DIR_ENV
 
 
 def test_grpo_three_steps_with_rollout_name_sglang(tmp_path, monkeypatch, fake):
-    import trellis
-    from trellis.trainer.presets import preset_overrides
+    from trellis.testing.rollout import check_grpo_run
 
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))  # the preset's model and data
-    tiny = preset_overrides("tiny")
     threads_before = live_threads()
-    result = trellis.train(
-        overrides=[
-            *tiny,
-            "rollout.name=sglang",
-            "trainer.total_training_steps=3",
-            "trainer.test_freq=-1",
-            "trainer.val_before_train=false",
-            "trainer.trackers=[jsonl]",
-            "trainer.resume_mode=disable",
-            "rollout.calculate_log_probs=true",
-            "algorithm.rollout_correction.rollout_is=token",
-            f"trainer.run_dir={tmp_path / 'run'}",
-        ]
-    )
-
-    assert result.steps == 3 and len(result.history) == 3
+    # 3 steps; weight sync each step; the fake's log-probs equal the trainer's (same fp32 weights)
+    result = check_grpo_run("sglang", str(tmp_path / "run"))
     for metrics in result.history:
-        assert metrics["timing/weight_sync"] > 0  # the engine got the new weights after every update
-        assert 0 <= metrics["reward/mean"] <= 1
-        assert metrics["response_length/max"] <= 16
-        # the fake's sampling log-probs are the trainer's recomputation (same weights, float32)
-        assert metrics["rollout_corr/ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
         assert metrics["rollout_corr/kl_k3"] == pytest.approx(0.0, abs=1e-5)
-    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
 
     (engine,) = fake.engines  # one replica, in process, built on this (the main) thread
     assert engine.server_args["enable_memory_saver"] and engine.server_args["enable_weights_cpu_backup"]
