@@ -48,6 +48,7 @@ class RolloutReplica(abc.ABC):
         self.rollout_config = rollout_config
         self.model_config = model_config
         self.mode: str | None = None
+        self.asleep = False  # between sleep() and wake_up(); generate refuses to run then
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -65,6 +66,26 @@ class RolloutReplica(abc.ABC):
         if mode not in MODES:
             raise ValueError(f"Unknown rollout mode {mode!r}; expected one of: {', '.join(MODES)}.")
         return mode
+
+    def check_request(self, prompt_ids: Any, sampling_params: Any, request_id: str) -> list[int]:
+        """Validate one ``generate`` request; the prompt as a list of ints.
+
+        Raises:
+            RuntimeError: the replica is asleep (``wake_up`` first).
+            TypeError: ``sampling_params`` is not a :class:`SamplingParams`.
+            ValueError: the prompt is empty (the message names the request).
+        """
+        name = type(self).__name__
+        if self.asleep:
+            raise RuntimeError(f"{name} is asleep: await replica.wake_up() before generate.")
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
+            )
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_ids is empty; give at least one token.")
+        return prompt
 
     @abc.abstractmethod
     async def init(

@@ -274,15 +274,7 @@ class HFRolloutReplica(RolloutReplica):
     ) -> TokenOutput:
         if self.model is None:
             raise RuntimeError("HFRolloutReplica.generate before init(): await replica.init(mode) first.")
-        if self.asleep:
-            raise RuntimeError("HFRolloutReplica is asleep: await replica.wake_up() before generate.")
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(
-                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
-            )
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ValueError(f"request {request_id!r}: prompt_ids is empty; give at least one token.")
+        prompt_ids = self.check_request(prompt_ids, sampling_params, request_id)
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; pass one to init().")
         loop = asyncio.get_running_loop()

@@ -395,15 +395,7 @@ class SGLangRolloutReplica(RolloutReplica):
         self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
     ) -> TokenOutput:
         engine = self._engine("generate")
-        if self.asleep:
-            raise RuntimeError("SGLangRolloutReplica is asleep: await replica.wake_up() before generate.")
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(
-                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
-            )
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ValueError(f"request {request_id!r}: prompt_ids is empty; give at least one token.")
+        prompt_ids = self.check_request(prompt_ids, sampling_params, request_id)
         return await self._call(self._generate(engine, prompt_ids, sampling_params, request_id))
 
     # ------------------------------------------------------------------ on the replica's loop

@@ -262,15 +262,7 @@ class VLLMRolloutReplica(RolloutReplica):
     ) -> TokenOutput:
         if self.engine is None:
             raise RuntimeError("VLLMRolloutReplica.generate before init(): await replica.init(mode) first.")
-        if self.asleep:
-            raise RuntimeError("VLLMRolloutReplica is asleep: await replica.wake_up() before generate.")
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(
-                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
-            )
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: prompt_ids is empty; give at least one token.")
+        prompt = self.check_request(prompt_ids, sampling_params, request_id)
         if self._reload_open or self._kv_asleep:
             await self.resume()
         return await self._loop.call(self._generate(prompt, sampling_params, f"{request_id}-{next(_ids)}"))
