@@ -251,5 +251,5 @@ def test_rollout_replica_accessor_resolves_references(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cls = registries.get_rollout_replica_class("replica.py:EchoReplica")
     assert cls.__name__ == "EchoReplica"
-    with pytest.raises(UnknownComponentError, match=r"Unknown rollout replica 'vllm'\. Available: "):
-        registries.get_rollout_replica_class("vllm")
+    with pytest.raises(UnknownComponentError, match=r"Unknown rollout replica 'tensorrt'\. Available: "):
+        registries.get_rollout_replica_class("tensorrt")
