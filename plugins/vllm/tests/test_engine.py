@@ -296,6 +296,33 @@ def test_grpo_three_steps_with_rollout_name_vllm(tmp_path):
     assert _engine_processes() - before == set()  # the trainer shut its engine's processes down
 
 
+def _engine_processes_anywhere() -> set[int]:
+    import psutil
+
+    pids = set()
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        title = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+        if "EngineCore" in title or "VLLM::" in title:
+            pids.add(proc.pid)
+    return pids
+
+
+def test_grpo_with_the_engine_inside_ray_workers(tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    from trellis.testing.rollout import check_grpo_run
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every Ray process on 127.0.0.1
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    before = _engine_processes_anywhere()
+    overrides = ["trainer.executor=ray", "trainer.n_devices_per_node=1"]
+    result = check_grpo_run("vllm", str(tmp_path / "run"), overrides=overrides)
+    assert result.steps == 3
+    deadline = time.time() + 30
+    while _engine_processes_anywhere() - before and time.time() < deadline:
+        time.sleep(0.5)
+    assert _engine_processes_anywhere() - before == set()  # shut down before the workers were killed
+
+
 class TestVLLMReplicaContract(RolloutReplicaContract):
     replica_name = "vllm"
     mode = "colocated"
