@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -132,8 +133,40 @@ def test_engine_args_follow_the_trellis_config():
         "enforce_eager": False,
     }
     assert (replica.serve_http, replica.sleep_level) == (True, 2)
-    with pytest.raises(ValueError, match=r"engine_kwargs\.sleep_level must be 1 or 2, got 3"):
-        VLLMRolloutReplica(0, RolloutConfig(engine_kwargs={"sleep_level": 3}), mc)
+
+
+@pytest.mark.parametrize(
+    ("engine_kwargs", "message"),
+    [
+        ({"sleep_level": 3}, "rollout.engine_kwargs.sleep_level must be 1 or 2, got 3"),
+        ({"server": "yes"}, "rollout.engine_kwargs.server must be true or false, got 'yes'"),
+        ({"server_port": "8000"}, "engine_kwargs.server_port must be a port number (0 = any free one)"),
+        ({"server_port": 70000}, "rollout.engine_kwargs.server_port must be in 0..65535, got 70000"),
+        ({"kv_cache_space_gb": 0}, "engine_kwargs.kv_cache_space_gb must be a positive number, got 0"),
+        ({"startup_timeout_s": "soon"}, "startup_timeout_s must be a positive number, got 'soon'"),
+    ],
+)
+def test_bad_engine_kwargs_are_named(engine_kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        VLLMRolloutReplica(0, RolloutConfig(engine_kwargs=engine_kwargs), ModelConfig(path="/m"))
+
+
+def test_engine_kwargs_vllm_does_not_know_are_named_with_close_matches():
+    import dataclasses
+
+    from trellis_vllm.replica import _check_engine_args
+
+    @dataclasses.dataclass
+    class FakeEngineArgs:  # the shape of vllm.AsyncEngineArgs: a dataclass of options
+        model: str = ""
+        max_model_len: int = 0
+        max_num_seqs: int = 0
+
+    _check_engine_args({"model": "m", "max_model_len": 8}, FakeEngineArgs)
+    with pytest.raises(ValueError, match=r"rollout\.engine_kwargs\.max_model_length is not an option") as err:
+        _check_engine_args({"model": "m", "max_model_length": 8}, FakeEngineArgs)
+    assert "Did you mean max_model_len?" in str(err.value)
+    assert "server, server_port, sleep_level" in str(err.value)
 
 
 def test_calls_before_init_raise_clear_errors():

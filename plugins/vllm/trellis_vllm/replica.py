@@ -137,14 +137,25 @@ class VLLMRolloutReplica(RolloutReplica):
     def __init__(self, replica_rank: int, rollout_config: Any, model_config: Any) -> None:
         super().__init__(replica_rank, rollout_config, model_config)
         kwargs = dict(getattr(rollout_config, "engine_kwargs", None) or {})
-        self.serve_http = bool(kwargs.get("server", False))
-        self.server_port = int(kwargs.get("server_port", 0))
-        self.sleep_level = int(kwargs.get("sleep_level", 1))
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"engine_kwargs.sleep_level must be 1 or 2, got {self.sleep_level!r}.")
-        self.kv_cache_space_gb = kwargs.get("kv_cache_space_gb", 1)
+        self.serve_http = kwargs.get("server", False)
+        if not isinstance(self.serve_http, bool):
+            raise ValueError(f"rollout.engine_kwargs.server must be true or false, got {self.serve_http!r}.")
+        self.server_port = kwargs.get("server_port", 0)
+        if isinstance(self.server_port, bool) or not isinstance(self.server_port, int):
+            raise ValueError(
+                f"rollout.engine_kwargs.server_port must be a port number (0 = any free one), "
+                f"got {self.server_port!r}."
+            )
+        if not 0 <= self.server_port <= 65535:
+            raise ValueError(
+                f"rollout.engine_kwargs.server_port must be in 0..65535, got {self.server_port}."
+            )
+        self.sleep_level = kwargs.get("sleep_level", 1)
+        if self.sleep_level not in (1, 2) or isinstance(self.sleep_level, bool):
+            raise ValueError(f"rollout.engine_kwargs.sleep_level must be 1 or 2, got {self.sleep_level!r}.")
+        self.kv_cache_space_gb = _positive(kwargs, "kv_cache_space_gb", 1)
+        self.startup_timeout_s = _positive(kwargs, "startup_timeout_s", 600)
         self.weights_dir = str(kwargs.get("weights_dir") or _default_weights_dir())
-        self.startup_timeout_s = float(kwargs.get("startup_timeout_s", 600))
         self.engine_kwargs = {k: v for k, v in kwargs.items() if k not in _OWN_KEYS}
         self.engine: Any = None
         self.sleep_mode = False  # whether the engine has vLLM's sleep mode (set by init)
@@ -228,6 +239,7 @@ class VLLMRolloutReplica(RolloutReplica):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = self.engine_args()
+        _check_engine_args(args, AsyncEngineArgs)
         self.sleep_mode = bool(current_platform.is_sleep_mode_available()) and bool(
             getattr(self.rollout_config, "free_cache_engine", True)
         )
@@ -336,6 +348,29 @@ class VLLMRolloutReplica(RolloutReplica):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _positive(kwargs: dict[str, Any], key: str, default: float) -> float:
+    value = kwargs.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"rollout.engine_kwargs.{key} must be a positive number, got {value!r}.")
+    return value
+
+
+def _check_engine_args(args: dict[str, Any], engine_args_class: type) -> None:
+    """ValueError naming an ``engine_kwargs`` key that ``vllm.AsyncEngineArgs`` does not have."""
+    import dataclasses
+    import difflib
+
+    known = {f.name for f in dataclasses.fields(engine_args_class)}
+    for key in args:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(
+                f"rollout.engine_kwargs.{key} is not an option of this vLLM's AsyncEngineArgs "
+                f"(nor of the replica: {', '.join(_OWN_KEYS)}).{hint}"
+            )
 
 
 def _tied_weights(model_config: Any) -> dict[str, str]:
