@@ -12,6 +12,7 @@ from trellis.registries import get_rollout_replica_class
 from trellis.rollout import SamplingParams, TokenOutput
 from trellis.rollout.hf import HFRolloutReplica
 from trellis.testing import RolloutReplicaContract
+from trellis.testing.rollout import teacher_forced_log_probs as teacher_forced_logprobs
 
 PROMPTS = ["What is 12 + 7?", "Compute 3 * 4 - 5. First", "The quick brown fox", "system You are"]
 
@@ -43,14 +44,6 @@ def run(tiny_model_path, body, mode="colocated", model=None, tokenizer=None, **e
             await replica.shutdown()
 
     return asyncio.run(main())
-
-
-def teacher_forced_logprobs(model, prompt, tokens, temperature):
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    scale = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits / scale, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def test_registry_round_trip():

@@ -294,3 +294,20 @@ def check_grpo_run(
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == list(range(1, steps + 1))
     return result
+
+
+def teacher_forced_log_probs(
+    model: Any, prompt_ids: list[int], token_ids: list[int], temperature: float = 1.0
+) -> Any:
+    """``log_softmax(logits / T)`` of each of ``token_ids`` after ``prompt_ids``, by one forward of ``model``.
+
+    What a replica's log-probs must equal (the trainer computes the same): ``T = temperature``, or
+    1 for greedy (``temperature == 0``). Returns a float32 tensor of ``len(token_ids)`` values.
+    """
+    import torch
+
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / scale, -1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]

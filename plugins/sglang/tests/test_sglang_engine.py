@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import re
 import socket
 import subprocess
 import sys
@@ -52,8 +53,12 @@ def test_unavailable_without_sglang(sglang_missing):
 
 def test_unavailable_without_cuda(sglang_present, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert SGLangRolloutReplica.unavailable_reason() == NO_CUDA
-    with pytest.raises(RuntimeError, match=f"cannot start: {NO_CUDA}. On a CPU machine use rollout.name=hf"):
+    from trellis.registries import device_backends
+
+    why = device_backends.get("cuda")().unavailable_reason()  # the core backend's words, in brackets
+    assert why and SGLangRolloutReplica.unavailable_reason() == f"{NO_CUDA} ({why})"
+    expected = f"cannot start: {NO_CUDA} ({why}). On a CPU machine use rollout.name=hf"
+    with pytest.raises(RuntimeError, match=re.escape(expected)):
         load_sglang_api()
 
 

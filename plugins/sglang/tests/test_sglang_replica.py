@@ -25,6 +25,7 @@ from trellis.checkpoint.sync import WeightSyncManager
 from trellis.registries import get_rollout_replica_class, rollout_replicas
 from trellis.rollout import SamplingParams, TokenOutput
 from trellis.testing import RolloutReplicaContract
+from trellis.testing.rollout import teacher_forced_log_probs as teacher_forced_logprobs
 
 PROMPTS = ["What is 12 + 7?", "Compute 3 * 4 - 5. First", "The quick brown fox", "system You are"]
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
@@ -41,14 +42,6 @@ def hf_greedy(model, prompt, n):
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
-
-
-def teacher_forced_logprobs(model, prompt, tokens, temperature):
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    scale = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits / scale, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def perturbed(state, seed=0):
@@ -286,13 +279,22 @@ def test_concurrent_requests_reach_the_engine_together(tiny_model_path, hf, fake
     ps = prompts(tok, 8)
 
     async def body(replica):
-        return await asyncio.gather(
+        engine = fake.engines[0]
+        engine.hold_requests()  # requests stay in the engine until all 8 are there
+        calls = asyncio.gather(
             *(replica.generate(p, SamplingParams(max_tokens=4), f"r{i}") for i, p in enumerate(ps))
         )
+        for _ in range(500):  # a replica that serialised requests would never get there
+            if engine.in_flight == 8:
+                break
+            await asyncio.sleep(0.01)
+        in_flight = engine.in_flight
+        engine.release_requests()
+        return in_flight, await calls
 
-    outs = run(tiny_model_path, body)
+    in_flight, outs = run(tiny_model_path, body)
+    assert in_flight == 8  # SGLang batches them; the replica must not serialise
     assert [len(o.token_ids) for o in outs] == [4] * 8
-    assert fake.engines[0].max_in_flight == 8  # SGLang batches them; the replica must not serialise
     assert sorted(r["rid"] for r in fake.engines[0].calls_to("async_generate")) == [
         f"r{i}#{i}" for i in range(8)
     ]

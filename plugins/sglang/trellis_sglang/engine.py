@@ -72,16 +72,10 @@ def sglang_unavailable_reason() -> str | None:
     """Why SGLang cannot run here, or None. Cheap: finds the package without importing it."""
     if importlib.util.find_spec("sglang") is None:
         return f"sglang is not installed: {INSTALL_HINT} (needs CUDA)"
-    try:
-        import torch
-    except Exception as exc:  # a broken torch must not break `trellis doctor`
-        return f"torch cannot be imported ({type(exc).__name__}: {exc}); SGLang needs a CUDA build of torch"
-    try:
-        if torch.cuda.is_available():
-            return None
-    except Exception as exc:
-        return f"torch.cuda.is_available() raised {type(exc).__name__}: {exc}"
-    return "CUDA is not available: SGLang runs on NVIDIA/AMD GPUs only"
+    from trellis.registries import device_backends
+
+    cuda = device_backends.get("cuda")().unavailable_reason()  # never raises (device-backend protocol)
+    return None if cuda is None else f"CUDA is not available: SGLang runs on NVIDIA/AMD GPUs only ({cuda})"
 
 
 # ---------------------------------------------------------------- the SGLang names used

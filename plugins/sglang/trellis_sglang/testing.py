@@ -337,6 +337,10 @@ class FakeEngine:
         """From now on, requests never finish (until cancelled), like those of a stuck scheduler."""
         self._hold = True
 
+    def release_requests(self) -> None:
+        """Let held requests (and later ones) run to the end again."""
+        self._hold = False
+
     # ---------------------------------------------------------------- generation
 
     async def async_generate(self, **kwargs: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout import SamplingParams
 from trellis.testing import RolloutReplicaContract
+from trellis.testing.rollout import teacher_forced_log_probs
 
 pytestmark = pytest.mark.engine
 
@@ -86,13 +87,6 @@ def _gather(replica, prompts, params):
     return asyncio.run(run())
 
 
-def _teacher_forced(model, prompt, tokens, temperature):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-    log_probs = torch.log_softmax(logits / temperature, -1)
-    return log_probs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-
-
 def test_greedy_equals_hf_token_for_token_with_log_probs_to_1e4(vllm, hf, prompts):
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=True)
     ours, theirs = _gather(vllm, prompts, params), _gather(hf, prompts, params)
@@ -108,7 +102,7 @@ def test_sampled_log_probs_are_the_temperature_scaled_policy_and_seeds_reproduce
     first, again = _gather(vllm, prompts, params), _gather(vllm, prompts[:1], params)
     assert again[0].token_ids == first[0].token_ids  # same seed, different batch: same tokens
     for prompt, out in zip(prompts, first, strict=True):
-        want = _teacher_forced(hf.model, prompt, out.token_ids, 0.7)
+        want = teacher_forced_log_probs(hf.model, prompt, out.token_ids, 0.7).tolist()
         assert out.log_probs == pytest.approx(want, abs=1e-4)
     other = _gather(vllm, prompts, SamplingParams(temperature=0.7, max_tokens=16, seed=4))
     assert [o.token_ids for o in other] != [o.token_ids for o in first]
