@@ -45,6 +45,7 @@ __all__ = [
 CONTRACT_STATE = "trellis.testing.checkpoint:contract_state_dict"
 ORDERING_STATE = "trellis.testing.checkpoint:ordering_state_dict"
 _POLL_S = 0.05
+_LATE_REPORT_S = 1.0  # how long a peer found ended may still take to deliver its last report
 
 
 def _skip(reason: str) -> None:
@@ -400,15 +401,33 @@ class _Mailbox:
                 continue
             except queue.Empty:
                 pass
-            for label in wanted:
-                if label not in got and not self.workers[label].is_alive():
-                    code = getattr(self.workers[label], "exitcode", None)
-                    got[label] = ("died", (f"exit {code}", "the peer ended without reporting", ""))
+            dead = [label for label in wanted if label not in got and not self.workers[label].is_alive()]
+            if dead and self._drain():  # a peer that reported and then ended: its report came late
+                continue
+            for label in dead:
+                code = getattr(self.workers[label], "exitcode", None)
+                got[label] = ("died", (f"exit {code}", "the peer ended without reporting", ""))
             if time.monotonic() >= deadline:
                 for label in wanted:
                     got.setdefault(label, ("silent", ("timeout", f"no word within {self.timeout_s:g} s", "")))
             if len(got) == len(wanted):
                 return got
+
+    def _drain(self) -> bool:
+        """Move every message already sent into the backlog; whether there was any.
+
+        A peer's last report can reach the outbox between a poll that came back empty and the
+        check that finds the peer ended (a process's queue flushes from a feeder thread), so a
+        peer is declared dead only after this finds nothing more.
+        """
+        moved = False
+        wait_s = _LATE_REPORT_S  # patient once: a loaded machine can hold a feeder thread up
+        while True:
+            try:
+                self.backlog.append(self.outbox.get(timeout=wait_s))
+                moved, wait_s = True, _POLL_S
+            except queue.Empty:
+                return moved
 
 
 def _reap(workers: list[Any], timeout_s: float) -> None:
