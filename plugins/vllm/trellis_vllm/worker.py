@@ -49,15 +49,22 @@ def write_weights_file(
     """Write ``named_tensors`` to ``path`` as raw bytes, back to back; returns the index.
 
     Offsets are 64-byte aligned so every tensor can be viewed in place. Tensors on an accelerator
-    are copied to host memory first. ``aliases`` maps a name to another name the same tensor is
-    also loaded under (tied weights: the index gets a second entry at the same offset), unless
-    the stream holds that name itself.
+    are copied to host memory first.
+
+    ``aliases`` maps a name to another name the same tensor is also loaded under: tied weights,
+    ``{"model.embed_tokens.weight": "lm_head.weight"}``. The second name always comes from the
+    first (an index entry at the same offset) and is dropped where the stream names it itself:
+    vLLM loads a tied output weight only in the same call as the input embedding (it refuses it
+    alone), and a sync's buckets may hold them apart.
     """
     index: list[IndexEntry] = []
     offset = 0
     aliases = dict(aliases or {})
+    derived = set(aliases.values())
     with open(path, "wb") as f:
         for name, tensor in named_tensors:
+            if name in derived:
+                continue  # tied: loaded with (and as) its source, see above
             dtype = str(tensor.dtype).removeprefix("torch.")
             if dtype not in _DTYPES:
                 raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}, which vLLM cannot load.")
@@ -70,10 +77,9 @@ def write_weights_file(
             f.write(memoryview(raw))
             index.append((name, dtype, list(data.shape), offset))
             offset += data.numel() * data.element_size()
-    names = {entry[0] for entry in index}
     for entry in list(index):
         alias = aliases.get(entry[0])
-        if alias is not None and alias not in names:
+        if alias is not None:
             index.append((alias, *entry[1:]))
     return index
 
