@@ -88,7 +88,9 @@ def bench(session: nox.Session) -> None:
     # grpo_vs_trl.py: TRL on the same pip line as torch, so the pinned CPU build stays
     session.install(TORCH, "trl>=1.16")
     scripts = session.posargs or sorted(
-        os.path.join("benchmarks", f) for f in os.listdir("benchmarks") if f.endswith(".py")
+        os.path.join("benchmarks", f)
+        for f in os.listdir("benchmarks")
+        if f.endswith(".py") and not f.startswith("_")  # _common.py: shared helpers
     )
     for script in scripts:
         session.run("python", script, env=OFFLINE)

@@ -63,6 +63,8 @@ import sys
 import tempfile
 import time
 
+from _common import smollm2_or_note  # benchmarks/_common.py: the script's own folder
+
 RESULT_TAG = "GRPO_VS_TRL_RESULT "
 LR, WEIGHT_DECAY, BETAS, GRAD_CLIP, SEED = 1e-6, 0.01, (0.9, 0.999), 1.0, 1
 TRELLIS_STAGES = ("generate", "reward", "old_log_prob", "advantage", "update_actor", "weight_sync")
@@ -380,23 +382,14 @@ def main() -> None:
     from trellis.testing.tiny import save_tiny_model
 
     results = []
-    note = ""
     with tempfile.TemporaryDirectory() as tmp:
         tiny = save_tiny_model(os.path.join(tmp, "tiny"))
         results.append(("tiny", args.steps, bench("tiny", tiny, args, args.steps)))
-    if args.no_smollm2:
-        note = "SmolLM2 skipped (--no-smollm2)."
-    else:
-        try:
-            from trellis.utils.demo_model import smollm2_path
-
-            path = smollm2_path()
-        except (ModuleNotFoundError, FileNotFoundError) as exc:
-            note = f"SmolLM2 skipped: {exc}"
-        else:
-            results.append(
-                ("SmolLM2-135M", args.smollm2_steps, bench("SmolLM2-135M", path, args, args.smollm2_steps))
-            )
+    path, note = smollm2_or_note(args.no_smollm2)
+    if path is not None:
+        results.append(
+            ("SmolLM2-135M", args.smollm2_steps, bench("SmolLM2-135M", path, args, args.smollm2_steps))
+        )
     report(results, args)
     if note:
         print(note)

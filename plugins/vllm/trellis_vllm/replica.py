@@ -159,7 +159,6 @@ class VLLMRolloutReplica(RolloutReplica):
         self.engine_kwargs = {k: v for k, v in kwargs.items() if k not in _OWN_KEYS}
         self.engine: Any = None
         self.sleep_mode = False  # whether the engine has vLLM's sleep mode (set by init)
-        self.asleep = False
         self._kv_asleep = False
         self._reload_open = False
         self._address: str | None = None
