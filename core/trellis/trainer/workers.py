@@ -122,6 +122,7 @@ class ActorRolloutRefWorker(_Role):
         self.shares_weights = (
             cfg.rollout.name == "hf" and cfg.rollout.mode == "hybrid" and self.actor.name == "single"
         )
+        self._rollout_asleep = False  # set after a rollout when the replica sleeps through training
         if self.shares_weights:
             asyncio.run(self.replica.init("hybrid", model=module, tokenizer=self.tokenizer))
         else:  # own copy of the weights, refreshed after every update
@@ -187,7 +188,7 @@ class ActorRolloutRefWorker(_Role):
         ``reward_extra/<field>``.
         """
         start = time.perf_counter()
-        if getattr(self, "_rollout_asleep", False):  # e.g. validation right after a training rollout
+        if self._rollout_asleep:  # e.g. validation right after a training rollout
             asyncio.run(_wake(self.replica))
             self._rollout_asleep = False
         batch = self.agents.generate_sequences(prompts)
