@@ -379,7 +379,7 @@ def main() -> None:
         print(f"grpo_vs_trl skipped: {', '.join(missing)} not installed (pip install trl).")
         return
 
-    from trellis.testing.tiny import save_tiny_model
+    from trellis.recipes.tiny import save_tiny_model
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

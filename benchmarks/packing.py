@@ -134,7 +134,7 @@ def measure(model, rows: int, repeats: int, micro_batch: int, max_tokens: int) -
 def load_tiny(folder: str):
     from transformers import AutoModelForCausalLM
 
-    from trellis.testing.tiny import save_tiny_model
+    from trellis.recipes.tiny import save_tiny_model
 
     return AutoModelForCausalLM.from_pretrained(save_tiny_model(folder), attn_implementation="sdpa")
 

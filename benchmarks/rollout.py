@@ -184,7 +184,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from trellis.testing.tiny import save_tiny_model
+    from trellis.recipes.tiny import save_tiny_model
 
     rows, vllm_rows = [], []
     smollm2, note = smollm2_or_note(args.no_smollm2)

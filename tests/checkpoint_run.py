@@ -124,7 +124,7 @@ def run(
             b["advantages"],
             b["response_mask"],
             "token-mean",
-            {"global_batch_info": info},
+            global_batch_info=info,
         )
 
     step, run_id = 0, uuid.uuid4().hex  # uuid4 reads os.urandom: no global generator is touched

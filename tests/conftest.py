@@ -57,6 +57,6 @@ def python():
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     """A folder holding the tiny tokenizer and model (built once per test session)."""
-    from trellis.testing.tiny import save_tiny_model
+    from trellis.recipes.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_model"))

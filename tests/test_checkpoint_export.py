@@ -155,7 +155,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def fsdp_checkpoint(tmp_path_factory):
     """Two gloo ranks of the fsdp engine on a tiny model whose shapes split unevenly; (folder, weights)."""
-    from trellis.testing.tiny import save_tiny_model
+    from trellis.recipes.tiny import save_tiny_model
 
     # odd sizes: the mlp's (129, 64) weights and the (401, 64) embedding split into unequal halves
     model_path = save_tiny_model(tmp_path_factory.mktemp("odd_model"), intermediate_size=129, vocab_size=401)

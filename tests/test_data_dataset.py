@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+import trellis.data.protocol  # noqa: F401 - before the loader forks workers, as in a training run
 from trellis.data.dataset import PromptLoader, ResumableSampler, RLDataset, collate_fn, read_rows
 from trellis.errors import DatasetError
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from trellis.testing.tiny import build_tiny_tokenizer
+    from trellis.recipes.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
@@ -228,3 +231,66 @@ def test_loader_resumes_with_the_same_next_batch(tmp_path, tokenizer):
         PromptLoader(dataset, batch_size=11)
     keep_last = PromptLoader(dataset, batch_size=4, shuffle=False, drop_last=False)
     assert [len(b) for b in keep_last] == [4, 4, 2] and len(keep_last) == 3
+
+
+def test_prompt_key_names_the_prompt_column(tmp_path, tokenizer):
+    data = [{"question": [{"role": "user", "content": "What is 5 + 5?"}], "data_source": "arith"}]
+    dataset = RLDataset(write_jsonl(tmp_path / "q.jsonl", data), tokenizer, prompt_key="question")
+    expected = tokenizer.apply_chat_template(data[0]["question"], add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(dataset[0]["input_ids"]) == expected
+    assert "question" not in dataset[0] and dataset[0]["data_source"] == "arith"
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer):
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = write_jsonl(tmp_path / "d.jsonl", rows(1))
+    dataset = RLDataset(path, templated, chat_template_kwargs={"greeting": "Hello! "})
+    assert templated.decode(dataset[0]["input_ids"]) == "Hello! What is 0 + 0?"
+
+
+class WorkerRecordingDataset(RLDataset):
+    """Rows that say which process (and DataLoader worker) read them."""
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        return {**super().__getitem__(i), "pid": os.getpid(), "worker": -1 if info is None else info.id}
+
+
+def batches_of(loader, epochs=1):
+    return [batch for _ in range(epochs) for batch in loader]
+
+
+def test_worker_processes_give_the_same_batches_and_resume(tmp_path, tokenizer):
+    dataset = WorkerRecordingDataset(write_jsonl(tmp_path / "d.jsonl", rows(10)), tokenizer)
+    rng = torch.get_rng_state()
+    in_process = batches_of(PromptLoader(dataset, batch_size=3, seed=5), epochs=2)
+    workers = batches_of(PromptLoader(dataset, batch_size=3, seed=5, num_workers=2), epochs=2)
+    assert torch.equal(torch.get_rng_state(), rng)  # worker seeds come from the loader, not the global RNG
+    assert len(in_process) == len(workers) == 6
+    for a, b in zip(in_process, workers, strict=True):
+        for key in ("input_ids", "attention_mask", "position_ids"):
+            assert torch.equal(a.batch[key], b.batch[key]), key
+        for key in ("index", "raw_prompt_ids", "reward_model", "extra_info"):
+            assert a.non_tensor_batch[key].tolist() == b.non_tensor_batch[key].tolist(), key
+    assert [b.non_tensor_batch["index"].tolist() for b in in_process[:3]] != [
+        b.non_tensor_batch["index"].tolist() for b in batches_of(PromptLoader(dataset, batch_size=3, seed=6))
+    ]  # the seed orders the epoch
+    # rows were read in this process without workers, and in two other processes with them
+    assert {pid for b in in_process for pid in b.non_tensor_batch["pid"]} == {os.getpid()}
+    assert {w for b in in_process for w in b.non_tensor_batch["worker"]} == {-1}
+    assert os.getpid() not in {pid for b in workers for pid in b.non_tensor_batch["pid"]}
+    assert {w for b in workers for w in b.non_tensor_batch["worker"]} == {0, 1}
+
+    # stopped after one batch (the workers had read ahead): resumes with the next, in either mode
+    run = PromptLoader(dataset, batch_size=3, seed=5, num_workers=2)
+    next(iter(run))
+    state = json.loads(json.dumps(run.state_dict()))
+    assert state["sampler"]["position"] == 3
+    for num_workers in (0, 2):
+        resumed = PromptLoader(dataset, batch_size=3, seed=5, num_workers=num_workers)
+        resumed.load_state_dict(state)
+        indices = [b.non_tensor_batch["index"].tolist() for b in batches_of(resumed)]
+        assert indices == [b.non_tensor_batch["index"].tolist() for b in in_process[1:3]]
+    with pytest.raises(ValueError, match=r"num_workers=-1 must be an int >= 0"):
+        PromptLoader(dataset, batch_size=3, num_workers=-1)

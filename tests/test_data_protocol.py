@@ -697,3 +697,12 @@ def test_make_iterator_errors_at_the_call():
         make(4).make_iterator(0, 1)
     with raises("epochs must be an int >= 0, got -1."):
         make(4).make_iterator(2, -1)
+
+
+def test_tensors_is_the_batch_or_a_clear_error():
+    from trellis.errors import DataProtoError
+
+    data = DataProto.from_dict({"x": torch.ones(2, 3)}, {"uid": ["a", "b"]})
+    assert data.tensors is data.batch
+    with pytest.raises(DataProtoError, match=r"holds no tensors \(batch is None; non-tensor keys: \['uid'\]\)"):
+        DataProto.from_dict(non_tensors={"uid": ["a", "b"]}).tensors  # noqa: B018

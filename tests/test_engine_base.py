@@ -12,6 +12,7 @@ from trellis.algorithms.policy_loss import compute_value_loss
 from trellis.config.schema import ActorConfig, CriticConfig, ModelConfig, OptimConfig, RefConfig
 from trellis.data.protocol import DataProto
 from trellis.engine.base import EngineError
+from trellis.engine.packing import VARLEN_SDPA
 from trellis.engine.single import SingleEngine
 from trellis.registries import get_policy_loss_fn, training_engines
 
@@ -56,7 +57,7 @@ def policy_loss_fn(mode: str):
             b["advantages"],
             b["response_mask"],
             mode,
-            {"global_batch_info": info},
+            global_batch_info=info,
         )
 
     return loss_fn
@@ -306,7 +307,7 @@ def value_loss_fn(outputs, micro, info):
         b["response_mask"],
         0.5,
         "token-mean",
-        {"global_batch_info": info},
+        global_batch_info=info,
     )
 
 
@@ -460,3 +461,115 @@ def test_constructor_errors(tiny_model_path):
         )
     with pytest.raises(ValueError, match=r"attn_implementation='flex_attention'.*use_remove_padding false"):
         SingleEngine(ModelConfig(path=tiny_model_path, attn_implementation="flex_attention"), device="cpu")
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def checkpointing(model) -> bool:
+    """Whether activation (gradient) checkpointing is on, in the transformers version at hand."""
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(flag if flag is not None else model.is_gradient_checkpointing)
+
+
+def test_missing_settings_take_the_schema_defaults(tiny_model_path):
+    """A dict or None config falls back to the schema's declared defaults, never to others of its own."""
+    actor = SingleEngine({"path": tiny_model_path}, None, device="cpu")
+    model, role = ModelConfig(), ActorConfig()
+    assert actor.use_remove_padding is model.use_remove_padding is True
+    assert actor.dtype == torch.bfloat16 and model.dtype == "bfloat16"
+    assert actor.attn_implementation == VARLEN_SDPA  # sdpa, packed: our per-sequence kernel
+    assert checkpointing(actor.model) is model.gradient_checkpointing is False
+    assert (actor.micro_batch_size, actor.max_tokens, actor.grad_clip) == (
+        role.ppo_micro_batch_size_per_device,
+        None,
+        role.grad_clip,
+    )
+    group = actor.optimizer.param_groups[0]
+    optim = OptimConfig()
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (
+        optim.lr,
+        tuple(optim.betas),
+        optim.weight_decay,
+    )
+    # a critic given a dict without an optim section trains at the critic's own default lr (1e-5)
+    critic = SingleEngine({"path": tiny_model_path}, {"grad_clip": 2.0}, role="critic", device="cpu")
+    assert critic.optimizer.param_groups[0]["lr"] == CriticConfig().optim.lr == 1e-5
+    assert critic.grad_clip == 2.0
+    ref = SingleEngine({"path": tiny_model_path}, {}, role="ref", device="cpu")
+    assert ref.micro_batch_size == RefConfig().log_prob_micro_batch_size_per_device
+
+
+def test_every_model_and_role_setting_reaches_the_engine(tiny_model_path, monkeypatch):
+    import transformers
+
+    trusted = []
+    from_pretrained = transformers.AutoConfig.from_pretrained
+
+    def recording(path, **kwargs):
+        trusted.append(kwargs.get("trust_remote_code"))
+        return from_pretrained(path, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", recording)
+    model = ModelConfig(
+        path=tiny_model_path,
+        dtype="float16",
+        attn_implementation="eager",
+        use_remove_padding=False,
+        gradient_checkpointing=True,
+        override_config={"attention_dropout": 0.25},
+        trust_remote_code=True,
+    )
+    optim = OptimConfig(
+        lr=3e-4,
+        betas=[0.8, 0.9],
+        weight_decay=0.2,
+        lr_warmup_steps=2,
+        lr_scheduler="cosine",
+        min_lr_ratio=0.1,
+    )
+    actor = SingleEngine(
+        model,
+        ActorConfig(
+            ppo_micro_batch_size_per_device=3,
+            use_dynamic_bsz=True,
+            max_token_len_per_micro_batch=100,
+            grad_clip=0.5,
+            optim=optim,
+        ),
+        total_steps=10,
+        device="cpu",
+    )
+    assert trusted == [True]
+    assert actor.dtype == torch.float16 and actor.use_remove_padding is False
+    assert actor.attn_implementation == "eager" and checkpointing(actor.model)
+    assert actor.model.config.attention_dropout == 0.25
+    assert (actor.micro_batch_size, actor.max_tokens, actor.grad_clip) == (3, 100, 0.5)
+    group = actor.optimizer.param_groups[0]
+    assert (group["initial_lr"], group["betas"], group["weight_decay"]) == (3e-4, (0.8, 0.9), 0.2)
+    schedule = actor.lr_scheduler.lr_lambdas[0]
+    assert (schedule.warmup_steps, schedule.kind, schedule.min_lr_ratio) == (2, "cosine", 0.1)
+
+    # the critic loads critic.model_path (model.path unset) and has batching and optim of its own
+    critic = SingleEngine(
+        ModelConfig(dtype="float32"),
+        CriticConfig(
+            model_path=tiny_model_path,
+            ppo_micro_batch_size_per_device=5,
+            use_dynamic_bsz=True,
+            max_token_len_per_micro_batch=200,
+            grad_clip=0.7,
+            optim=OptimConfig(lr=2e-3),
+        ),
+        role="critic",
+        device="cpu",
+    )
+    assert (critic.micro_batch_size, critic.max_tokens, critic.grad_clip) == (5, 200, 0.7)
+    assert critic.optimizer.param_groups[0]["lr"] == 2e-3
+    ref = SingleEngine(
+        ModelConfig(path=tiny_model_path),
+        RefConfig(log_prob_micro_batch_size_per_device=7),
+        role="ref",
+        device="cpu",
+    )
+    assert ref.micro_batch_size == 7

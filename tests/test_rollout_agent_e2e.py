@@ -15,11 +15,11 @@ import torch
 
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.data.dataset import RLDataset
+from trellis.recipes.tiny import build_tiny_model, build_tiny_tokenizer
 from trellis.reward.managers import NaiveRewardManager
 from trellis.rollout.agent_loop import AgentLoopManager
 from trellis.rollout.chat import ChatTemplate
 from trellis.rollout.hf import HFRolloutReplica
-from trellis.testing.tiny import build_tiny_model, build_tiny_tokenizer
 from trellis.tools.base import load_tools
 
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]

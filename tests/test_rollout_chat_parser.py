@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from trellis.errors import UnknownComponentError
+from trellis.recipes.tiny import build_tiny_tokenizer
 from trellis.rollout.chat import ChatTemplate, tool_schemas
 from trellis.rollout.tool_agent import TRUNCATION_MARK, truncate
 from trellis.rollout.tool_parser import FunctionCall, HermesToolParser, get_tool_parser, tool_parsers
-from trellis.testing.tiny import build_tiny_tokenizer
 from trellis.tools.base import load_tools
 
 USER = [{"role": "user", "content": "What is 2 + 2?"}]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 import torch
@@ -521,3 +522,32 @@ def test_cpu_threads_setting(tiny_model_path, hf):
     thread.join()
     during, after, fresh, before = seen
     assert during == before + 1 and after == before and fresh == before
+
+
+def test_colocated_weights_and_tokenizer_follow_the_model_config(tiny_model_path, hf, tmp_path):
+    _, tok = hf
+    marked = copy.deepcopy(tok)
+    marked.model_max_length = 77
+    marked.save_pretrained(tmp_path / "tokenizer")
+
+    async def load(rollout_config, model_config):
+        replica = HFRolloutReplica(0, rollout_config, model_config)
+        await replica.init("colocated")
+        try:
+            return replica.model, replica.tokenizer, replica._generator.initial_seed()
+        finally:
+            await replica.shutdown()
+
+    model_config = ModelConfig(
+        path=tiny_model_path,
+        tokenizer_path=str(tmp_path / "tokenizer"),
+        dtype="float16",
+        attn_implementation="eager",
+    )
+    model, tokenizer, seed = asyncio.run(load(RolloutConfig(seed=4), model_config))
+    assert model.dtype == torch.float16 and model.config._attn_implementation == "eager"
+    assert tokenizer.model_max_length == 77 and seed == 4
+    # dicts read like the sections; what they leave out is the schema's default (bfloat16 weights)
+    model, tokenizer, seed = asyncio.run(load({"seed": 9}, {"path": tiny_model_path}))
+    assert model.dtype == torch.bfloat16 == getattr(torch, ModelConfig().dtype)
+    assert tokenizer.model_max_length != 77 and seed == 9

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from trellis.testing.tiny import build_tiny_tokenizer
+from trellis.recipes.tiny import build_tiny_tokenizer
 from trellis.utils.tokenizer import hf_processor, hf_tokenizer, normalize_token_ids
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]

@@ -6,8 +6,8 @@ below are attributes that import their module on first access.
 
 from __future__ import annotations
 
-from trellis._lazy import lazy_attributes
 from trellis._version import __version__
+from trellis.utils.lazy import lazy_attributes
 
 # public name -> "module:attr" (or "module" for a submodule), imported on first access
 _LAZY: dict[str, str] = {

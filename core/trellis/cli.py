@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any
 
-from trellis._version import __version__
+from trellis import __version__
 
 HOOKS_GROUP = "trellis.hooks"
 
@@ -249,11 +249,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.insert(0, config_path)  # `trellis train key=value`: no config file
         config_path = None
     if args.preset:
-        from trellis.trainer.presets import preset_overrides
+        from trellis.recipes.presets import preset_overrides
 
         overrides = preset_overrides(args.preset) + overrides
     config = load_config(config_path, overrides)
     if args.print_config:
+        from trellis.config.needs import resolve_needs
+
+        resolve_needs(config)  # critic.enable / ref.enable as the run will have them
         print(to_yaml(config, comments=True), end="")
         return 0
     import trellis

@@ -55,7 +55,7 @@ class ClassProtocol:
     async_methods: tuple[str, ...] = ()
     attributes: tuple[str, ...] = ()
     base: str | None = None
-    _base_cache: list = field(default_factory=list, compare=False, repr=False)
+    _base_cache: list[type] = field(default_factory=list, compare=False, repr=False)
 
     def problems(self, obj: Any) -> list[str]:
         """Return what keeps ``obj`` from fitting; an empty list means it fits."""
@@ -63,7 +63,7 @@ class ClassProtocol:
             return [f"it is a {type(obj).__name__}, not a class"]
         found: list[str] = []
         if self.base is not None:
-            base = self._resolve_base()
+            base = self._resolve_base(self.base)
             if not issubclass(obj, base):
                 found.append(f"it does not subclass {self.base}")
         for name in self.methods + self.async_methods:
@@ -83,11 +83,11 @@ class ClassProtocol:
                 found.append(f"attribute '{name}' is missing")
         return found
 
-    def _resolve_base(self) -> type:
+    def _resolve_base(self, base: str) -> type:
         if not self._base_cache:
             from trellis.registry import load_reference
 
-            self._base_cache.append(load_reference(self.base))
+            self._base_cache.append(load_reference(base))
         return self._base_cache[0]
 
 

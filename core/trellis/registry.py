@@ -22,10 +22,11 @@ import importlib.util
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from types import ModuleType
+from typing import Any, Generic, Protocol, TypeVar, cast, overload
 
 from trellis.errors import (
     DuplicateComponentError,
@@ -36,6 +37,20 @@ from trellis.errors import (
 )
 
 T = TypeVar("T")
+
+
+class ComponentProtocol(Protocol):
+    """What a registry checks its components against (see :mod:`trellis.protocols`)."""
+
+    @property
+    def signature(self) -> str:
+        """The expected shape, as shown in errors (e.g. ``fn(data, *, config)``)."""
+        ...
+
+    def problems(self, obj: Any) -> list[str]:
+        """What keeps ``obj`` from fitting; an empty list means it fits."""
+        ...
+
 
 IN_PROCESS = "(in-process)"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -147,7 +162,7 @@ def load_reference(ref: str) -> Any:
     return obj
 
 
-def _import_file(path: str) -> Any:
+def _import_file(path: str) -> ModuleType:
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
         raise InvalidReferenceError(
@@ -159,6 +174,11 @@ def _import_file(path: str) -> Any:
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, full)
+    if spec is None or spec.loader is None:
+        raise InvalidReferenceError(
+            f"Reference file {path!r} cannot be imported as a Python module ({full!r}); "
+            "a file reference names a '.py' file."
+        )
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # before exec, so dataclasses and pickling can find it
     try:
@@ -187,7 +207,7 @@ class Registry(Generic[T]):
             (see :mod:`trellis.protocols`); components that do not fit are rejected.
     """
 
-    def __init__(self, kind: str, group: str, protocol: Any = None):
+    def __init__(self, kind: str, group: str, protocol: ComponentProtocol | None = None):
         self.kind = kind
         self.group = group
         self.protocol = protocol
@@ -199,7 +219,13 @@ class Registry(Generic[T]):
 
     # -- writing
 
-    def register(self, name: str, obj: T | None = None, *, replace: bool = False) -> Any:
+    @overload
+    def register(self, name: str, obj: None = None, *, replace: bool = False) -> Callable[[T], T]: ...
+
+    @overload
+    def register(self, name: str, obj: T, *, replace: bool = False) -> T: ...
+
+    def register(self, name: str, obj: T | None = None, *, replace: bool = False) -> T | Callable[[T], T]:
         """Register ``obj`` under ``name`` in this process; usable as ``@registry.register(name)``.
 
         Raises:
@@ -208,7 +234,11 @@ class Registry(Generic[T]):
             ProtocolMismatchError: ``obj`` does not fit the registry's protocol.
         """
         if obj is None:
-            return lambda target: self.register(name, target, replace=replace)
+
+            def decorate(target: T) -> T:
+                return self.register(name, target, replace=replace)
+
+            return decorate
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ValueError(
                 f"Invalid {self.kind} name {name!r}: use letters, digits, '_', '-' and '.', "
@@ -245,7 +275,7 @@ class Registry(Generic[T]):
         if isinstance(name, str) and is_reference(name):
             obj = load_reference(name)
             self._check(name, obj, name)
-            return obj
+            return cast(T, obj)  # checked against the protocol just above
         candidates = entry_points_of(self.group).get(name)
         if not candidates:
             raise self._unknown(name)
@@ -266,8 +296,9 @@ class Registry(Generic[T]):
                 f"'{_provider(ep)[0]}'."
             ) from exc
         self._check(name, obj, f"{ep.value} from {_provider(ep)[0]}")
-        self._loaded[name] = obj
-        return obj
+        component = cast(T, obj)  # checked against the protocol just above
+        self._loaded[name] = component
+        return component
 
     def names(self) -> list[str]:
         """All names, sorted, without importing anything."""

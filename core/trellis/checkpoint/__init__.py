@@ -4,7 +4,7 @@ registry ``trellis.checkpoint_engines``), and training checkpoints (save, resume
 from trellis.checkpoint import CheckpointEngine, WeightSyncManager, CheckpointManager
 """
 
-from trellis._lazy import lazy_attributes
+from trellis.utils.lazy import lazy_attributes
 
 _LAZY = {
     # weight sync

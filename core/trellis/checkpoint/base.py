@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -129,8 +129,11 @@ class CheckpointEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def init_process_group(self, **kwargs: Any) -> None:
+    def init_process_group(self, *args: Any, **kwargs: Any) -> None:
         """Connect this end to its peers, with the kwargs :meth:`build_topology` gave its rank.
+
+        Each engine declares the keyword arguments its own ``build_topology`` hands out; this
+        signature accepts any, so that an override may name them.
 
         Blocks until the peers it needs have connected (at most ``timeout_s``); all ends must call
         it concurrently. Raises :class:`WeightSyncError` when they do not meet in time.
@@ -146,7 +149,7 @@ class CheckpointEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def receive_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def receive_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Yield the sender's ``(name, tensor)`` pairs of one step, in send order.
 
         Each tensor is whole, on the engine's device and valid for as long as the caller keeps

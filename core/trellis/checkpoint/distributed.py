@@ -23,7 +23,7 @@ import contextlib
 import datetime
 import ipaddress
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, ClassVar
 
 import torch
@@ -154,6 +154,7 @@ class BroadcastCheckpointEngine(CheckpointEngine):
             return
         if None in (rank, world_size, host, port, group):
             raise self.error(f"a {role} needs rank, world_size, host, port and group.")
+        assert rank is not None and world_size is not None and port is not None  # checked just above
         if role == "sender" and (self._store is None or rank != 0):
             raise self.error("the sender is group rank 0 and must call prepare() first.")
         reason = self.unavailable_reason()
@@ -259,7 +260,7 @@ class BroadcastCheckpointEngine(CheckpointEngine):
 
     # ---------------------------------------------------------------- receiving
 
-    async def receive_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def receive_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         self._check("receiver")
         reader = BucketReader(self.device)
         finished = False
@@ -358,7 +359,7 @@ class GlooCheckpointEngine(BroadcastCheckpointEngine):
         if _is_loopback(self.host):
             # Pin gloo to the loopback interface: the default one (the hostname's address) may be
             # unreachable in containers.
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs name it Options
             options._timeout = self._timedelta()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
             return dist.ProcessGroupGloo(store, rank, world_size, options)

@@ -25,7 +25,14 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trellis.checkpoint.training import HF_DIR, MANIFEST, _Store, load_rank_file, verify_checkpoint
+from trellis.checkpoint.training import (
+    HF_DIR,
+    MANIFEST,
+    Store,
+    hf_file_contents,
+    load_rank_file,
+    verify_checkpoint,
+)
 from trellis.errors import CheckpointError
 
 __all__ = ["export_to_hf", "merge_model_shards"]
@@ -65,7 +72,7 @@ def export_to_hf(
     if role not in ROLES:
         raise CheckpointError(f"Cannot export role={role!r} of {ckpt_dir!r}: use one of {list(ROLES)}.")
     manifest = verify_checkpoint(ckpt_dir)
-    out = _Store(hf_dir)
+    out = Store(hf_dir)
     if not overwrite and out.listdir():
         raise CheckpointError(
             f"Cannot export to {hf_dir!r}: the folder is not empty. Choose a new folder, or pass "
@@ -159,10 +166,8 @@ def merge_model_shards(
 
 def _metadata_files(ckpt_dir: str, manifest: dict[str, Any], base_model: Any) -> dict[str, bytes]:
     """Config and tokenizer files by name: from ``base_model`` if given, else the checkpoint's ``hf/``."""
-    from trellis.checkpoint.training import _hf_file_contents
-
     if base_model is not None:
-        return dict(_hf_file_contents(os.fspath(base_model)))
+        return dict(hf_file_contents(os.fspath(base_model)))
     prefix = f"{HF_DIR}/"
     names = [rel[len(prefix) :] for rel in manifest["files"] if rel.startswith(prefix)]
     if "config.json" not in names:
@@ -170,7 +175,7 @@ def _metadata_files(ckpt_dir: str, manifest: dict[str, Any], base_model: Any) ->
             f"Checkpoint {ckpt_dir!r} has no {HF_DIR}/config.json (it was saved without hf_files=). Pass the "
             "Hugging Face folder of the trained model as base_model (trellis export ... --base-model PATH)."
         )
-    store = _Store(ckpt_dir)
+    store = Store(ckpt_dir)
     return {name: store.read_bytes(f"{prefix}{name}") for name in names}
 
 
@@ -203,7 +208,7 @@ def _meta_model(config_dir: str, role: str, ckpt_dir: str) -> Any:
         config = AutoConfig.from_pretrained(config_dir)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"The config of checkpoint {ckpt_dir!r} does not load: {exc}") from exc
-    auto_class = AutoModelForCausalLM
+    auto_class: type[AutoModelForCausalLM | AutoModelForTokenClassification] = AutoModelForCausalLM
     if role == "critic":  # the engine's value model (trellis.engine.models.load_model)
         config.num_labels = 1
         config.classifier_dropout = 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import torch
@@ -177,7 +177,7 @@ class NaiveCheckpointEngine(CheckpointEngine):
                     raise
                 raise self.error(f"the receiver failed: {type(exc).__name__}: {exc}") from exc
 
-    async def receive_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def receive_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         channel = self._check_role("receiver")
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(channel.pending())), self.timeout_s)

@@ -30,7 +30,7 @@ import struct
 import tempfile
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import torch
@@ -166,6 +166,8 @@ class ShmCheckpointEngine(CheckpointEngine):
             if role == "sender":
                 self._accept(int(num_receivers or 0))
             elif role == "receiver":
+                assert rank is not None and port is not None and segments is not None  # checked above
+                assert bucket_bytes is not None
                 self._connect(int(rank), str(host), int(port), list(segments), int(bucket_bytes), str(token))
         except WeightSyncError as exc:
             self.finalize()
@@ -313,7 +315,7 @@ class ShmCheckpointEngine(CheckpointEngine):
 
     # ---------------------------------------------------------------- receiving
 
-    async def receive_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def receive_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         self._check("receiver")
         reader = BucketReader("cpu")
         finished = False

@@ -39,13 +39,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trellis.checkpoint.base import DEFAULT_TIMEOUT_S, CheckpointEngine, NamedTensors
+from trellis.config.base import schema_default
+from trellis.config.schema import CheckpointEngineConfig
 from trellis.errors import WeightSyncError
 
 
@@ -69,8 +71,10 @@ class WeightSyncManager:
     Args:
         engine: a name in ``trellis.checkpoint_engines`` (or a ``module:Class`` reference), a
             :class:`~trellis.config.schema.CheckpointEngineConfig` (its ``name`` and
-            ``update_weights_bucket_megabytes``), or an engine class.
-        bucket_megabytes: bucket size in MiB; overrides the config's. Default 512.
+            ``update_weights_bucket_megabytes``), or an engine class. None = the config's default
+            engine (``naive``).
+        bucket_megabytes: bucket size in MiB; overrides the config's. None = the config's (default
+            ``rollout.checkpoint_engine.update_weights_bucket_megabytes``, 512).
         dtype: cast floating tensors to this dtype on the sender (usually the rollout's dtype);
             None sends them as they are.
         timeout_s: seconds any end waits on a peer before raising :class:`WeightSyncError`.
@@ -82,13 +86,17 @@ class WeightSyncManager:
 
     def __init__(
         self,
-        engine: str | type | Any = "naive",
+        engine: str | type | Any = None,
         *,
         bucket_megabytes: float | None = None,
         dtype: torch.dtype | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         **engine_kwargs: Any,
     ) -> None:
+        if engine is None:
+            engine = CheckpointEngineConfig()
+        # A CheckpointEngine in shape (the registry checks it), if not always by subclassing.
+        self.engine_class: type[CheckpointEngine]
         if isinstance(engine, type):
             self.engine_class = engine
         else:
@@ -100,7 +108,11 @@ class WeightSyncManager:
                 engine = engine.name
             self.engine_class = checkpoint_engines.get(engine)
         self.engine_kwargs: dict[str, Any] = {
-            "bucket_megabytes": 512 if bucket_megabytes is None else bucket_megabytes,
+            "bucket_megabytes": (
+                schema_default(CheckpointEngineConfig, "update_weights_bucket_megabytes")
+                if bucket_megabytes is None
+                else bucket_megabytes
+            ),
             "dtype": dtype,
             "timeout_s": timeout_s,
             **engine_kwargs,
@@ -274,8 +286,8 @@ def _as_list(replicas: Any) -> list[Any]:
 
 
 async def _group_by_bytes(
-    stream: AsyncIterator[tuple[str, torch.Tensor]], limit: int
-) -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
+    stream: AsyncGenerator[tuple[str, torch.Tensor], None], limit: int
+) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
     """Lists of consecutive pairs from ``stream``, each closed once it reaches ``limit`` bytes."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0

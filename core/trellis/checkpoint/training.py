@@ -57,9 +57,13 @@ import posixpath
 import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
+from trellis.config.base import schema_default
+from trellis.config.schema import TrainerConfig
 from trellis.errors import CheckpointError
+from trellis.utils.fs import is_non_local
+from trellis.utils.settings import setting
 
 __all__ = [
     "FORMAT",
@@ -68,6 +72,8 @@ __all__ = [
     "POINTER",
     "RESUME_MODES",
     "CheckpointManager",
+    "Store",
+    "hf_file_contents",
     "load_rank_file",
     "read_manifest",
     "step_dir_name",
@@ -104,7 +110,7 @@ def rank_file_name(rank: int) -> str:
 # ---------------------------------------------------------------- storage
 
 
-class _Store:
+class Store:
     """A folder on a local disk (atomic renames, fsync) or behind an fsspec URL.
 
     Paths given to its methods are relative to the folder, ``/``-separated.
@@ -113,8 +119,6 @@ class _Store:
     def __init__(self, root: str):
         from fsspec.core import url_to_fs
         from fsspec.implementations.local import LocalFileSystem
-
-        from trellis.utils.fs import is_non_local
 
         self.url = root.rstrip("/") or root
         if is_non_local(root):
@@ -173,12 +177,12 @@ class _Store:
         else:
             self.fs.makedirs(self.full(rel), exist_ok=True)
 
-    def write_stream(self, rel: str, write: Callable[[BinaryIO], None]) -> tuple[int, str]:
+    def write_stream(self, rel: str, write: Callable[[BinaryIO], object]) -> tuple[int, str]:
         """Create file ``rel`` by ``write(file)``; returns its (size, sha256). Durable on local disks."""
         path = self.full(rel)
         with open(path, "wb") if self.local else self.fs.open(path, "wb") as raw:
             out = _HashingWriter(raw)
-            write(out)
+            write(cast(BinaryIO, out))  # duck-typed: write() and flush(), all torch.save needs
             raw.flush()
             if self.local:
                 os.fsync(raw.fileno())
@@ -254,7 +258,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         CheckpointError: the folder does not exist, has no manifest (an interrupted save), or the
             manifest is unreadable or of another format; the message names the path.
     """
-    store = _Store(os.fspath(path))
+    store = Store(os.fspath(path))
     where = store.display()
     if not store.isdir():
         raise CheckpointError(f"Checkpoint {where!r} does not exist (or is not a folder).")
@@ -295,7 +299,7 @@ def verify_checkpoint(
             another size or (``checksums``) content. The message names the path and the file.
     """
     manifest = read_manifest(path)
-    store = _Store(os.fspath(path))
+    store = Store(os.fspath(path))
     where = store.display()
     if world_size is not None and manifest["world_size"] != world_size:
         raise CheckpointError(
@@ -312,7 +316,7 @@ def verify_checkpoint(
     return manifest
 
 
-def _check_file(store: _Store, rel: str, entry: Any, *, checksums: bool) -> None:
+def _check_file(store: Store, rel: str, entry: Any, *, checksums: bool) -> None:
     where = store.display(rel)
     if (
         not isinstance(entry, dict)
@@ -370,7 +374,7 @@ def load_rank_file(
     import torch
 
     manifest = manifest if manifest is not None else verify_checkpoint(path)
-    store = _Store(os.fspath(path))
+    store = Store(os.fspath(path))
     rel = rank_file_name(rank)
     where = store.display(rel)
     if rel not in manifest["files"]:
@@ -452,21 +456,21 @@ class CheckpointManager:
         self.root = os.fspath(root)
         self.max_to_keep, self.rank, self.world_size = max_to_keep, rank, world_size
         self._barrier = barrier if barrier is not None else (lambda: None)
-        self._store = _Store(self.root)
+        self._store = Store(self.root)
 
     @classmethod
     def from_config(
         cls, trainer: Any, *, rank: int = 0, world_size: int = 1, barrier: Callable[[], Any] | None = None
     ) -> CheckpointManager:
         """The manager of a ``TrainerConfig``: root ``<run_dir>/checkpoints``, ``max_actor_ckpt_to_keep``."""
-        from trellis._config import setting
-
         run_dir = setting(trainer, "run_dir", None)
         if not run_dir:
             raise ValueError("trainer.run_dir is not set: name the folder (or URL) the run writes into.")
         return cls(
             f"{os.fspath(run_dir).rstrip('/')}/checkpoints",
-            max_to_keep=setting(trainer, "max_actor_ckpt_to_keep", None),
+            max_to_keep=setting(
+                trainer, "max_actor_ckpt_to_keep", schema_default(TrainerConfig, "max_actor_ckpt_to_keep")
+            ),
             rank=rank,
             world_size=world_size,
             barrier=barrier,
@@ -557,7 +561,7 @@ class CheckpointManager:
             store.remove(sidecar)
         if hf_files is not None:
             store.makedirs(f"{tmp}/{HF_DIR}")
-            for file_name, data in _hf_file_contents(hf_files):
+            for file_name, data in hf_file_contents(hf_files):
                 files[f"{HF_DIR}/{file_name}"] = _entry(
                     *store.write_bytes(f"{tmp}/{HF_DIR}/{file_name}", data)
                 )
@@ -688,7 +692,7 @@ class CheckpointManager:
                 "resume_mode='resume_path' needs resume_from_path: the global_step_N folder to continue from."
             )
         path = os.fspath(resume_from_path).rstrip("/")
-        store = _Store(path)
+        store = Store(path)
         if not store.exists(MANIFEST) and store.exists(POINTER):
             found = CheckpointManager(path, rank=self.rank, world_size=self.world_size, barrier=self._barrier)
             located = found.latest()
@@ -744,7 +748,7 @@ def _check_savable(value: Any, where: str) -> None:
     )
 
 
-def _hf_file_contents(hf_files: Any) -> Iterator[tuple[str, bytes]]:
+def hf_file_contents(hf_files: Any) -> Iterator[tuple[str, bytes]]:
     """(file name, bytes) of what goes into ``hf/``: a folder's non-weight files, or a mapping."""
     if isinstance(hf_files, Mapping):
         for file_name, data in hf_files.items():
@@ -752,7 +756,7 @@ def _hf_file_contents(hf_files: Any) -> Iterator[tuple[str, bytes]]:
                 raise CheckpointError(f"hf_files: {file_name!r} is not a plain file name.")
             yield file_name, data.encode() if isinstance(data, str) else bytes(data)
         return
-    source = _Store(os.fspath(hf_files))
+    source = Store(os.fspath(hf_files))
     if not source.isdir():
         raise CheckpointError(
             f"hf_files={source.display()!r} is not a folder; pass the Hugging Face model folder (config and "

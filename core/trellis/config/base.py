@@ -108,7 +108,9 @@ def default_dict(cls: type) -> dict[str, Any]:
             out[f.name] = copy.deepcopy(f.default)
         elif f.default_factory is not dataclasses.MISSING:
             value = f.default_factory()
-            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = dataclasses.asdict(value)
+            out[f.name] = value
         else:
             out[f.name] = "???"
     return out
@@ -118,8 +120,33 @@ def field_doc(cls: type, name: str) -> str:
     """The one-line doc of field ``name`` of dataclass ``cls`` (``""`` when it has none)."""
     for f in dataclasses.fields(cls):
         if f.name == name:
-            return f.metadata.get("doc", "")
+            return str(f.metadata.get("doc", ""))
     return ""
+
+
+def schema_default(cls: type, key: str) -> Any:
+    """The declared default of ``key`` in config dataclass ``cls``: a field name, or a dotted path
+    into nested sections (``schema_default(CriticConfig, "optim.lr")`` is 1e-05, the critic's own).
+
+    Code that reads a setting from a config that may be None, a partial dict or a config object
+    falls back to this, so a default is written once, in the schema. A section reads as a dict; a
+    ``None`` that means "derive it" stays ``None`` (see :func:`default_dict`).
+
+    Raises:
+        KeyError: ``cls`` has no such key; the message lists the keys it has at that level.
+    """
+    node: Any = _declared_defaults(cls)
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            keys = ", ".join(node) if isinstance(node, dict) else "(none: a value, not a section)"
+            raise KeyError(f"{cls.__name__} has no key {key!r}; keys at {part!r}: {keys}.")
+        node = node[part]
+    return copy.deepcopy(node)
+
+
+@functools.cache
+def _declared_defaults(cls: type) -> dict[str, Any]:
+    return default_dict(cls)  # never handed out: schema_default returns copies
 
 
 # ---------------------------------------------------------------- type hints
@@ -136,11 +163,11 @@ def type_hints(cls: type) -> dict[str, Any]:
 
 def section_type(hint: Any) -> type | None:
     """The dataclass a field's annotation names (also through ``X | None``), else ``None``."""
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return hint
     if _is_union(hint):
         for arm in typing.get_args(hint):
-            if dataclasses.is_dataclass(arm) and isinstance(arm, type):
+            if isinstance(arm, type) and dataclasses.is_dataclass(arm):
                 return arm
     return None
 
@@ -169,7 +196,7 @@ def describe(hint: Any) -> str:
         return f"a list of {_PLURALS[args[0]]}" if args and args[0] in _PLURALS else "a list"
     if origin is dict or hint is dict:
         return "a mapping"
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return f"a mapping (section {hint.__name__})"
     return f"a {getattr(hint, '__name__', hint)}"
 
@@ -272,7 +299,8 @@ def check_fields(obj: Any) -> None:
     Raises:
         ConfigValueError: the first field that does not fit.
     """
-    hints = type_hints(type(obj))
+    cls: type = type(obj)  # type[Any] does not pass as Hashable to the cached type_hints
+    hints = type_hints(cls)
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         checked = check_value(value, hints.get(f.name, Any), f.name)

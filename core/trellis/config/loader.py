@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -90,10 +90,10 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[
         merged = _merge(merged, data)
     try:
         # OmegaConf resolves ${...} interpolations (and resolvers such as ${oc.env:HOME}).
-        merged = OmegaConf.create(merged)
+        config = OmegaConf.create(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"The merged configuration is not valid: {_first_line(exc)}") from exc
-    return omega_conf_to_dataclass(merged, TrellisConfig)
+    return omega_conf_to_dataclass(config, TrellisConfig)
 
 
 def omega_conf_to_dataclass(config: Any, dataclass_type: type[C] | None = None) -> C:
@@ -130,7 +130,7 @@ def omega_conf_to_dataclass(config: Any, dataclass_type: type[C] | None = None) 
                 "naming the class ('package.module:Class' or 'package.module.Class')."
             )
         cls = _resolve_target(data[TARGET_KEY], TARGET_KEY)
-    return _build(cls, data, "", cls)
+    return cast(C, _build(cls, data, "", cls))  # an instance of cls, which is dataclass_type when given
 
 
 def to_dict(config: Any) -> dict[str, Any]:

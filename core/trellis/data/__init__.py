@@ -6,7 +6,7 @@ utilities) is imported only when one of its names is asked for.
 
 from __future__ import annotations
 
-from trellis._lazy import lazy_attributes
+from trellis.utils.lazy import lazy_attributes
 
 _LAZY = {
     **{

@@ -239,10 +239,15 @@ class RLDataset(torch.utils.data.Dataset):
 
     def collate_fn(self, samples: list[dict[str, Any]]) -> Any:
         """Batch ``samples`` into a DataProto, left-padding with the tokenizer's pad token."""
-        return collate_fn(samples, pad_token_id=_pad_id(self.tokenizer))
+        return collate_fn(samples, pad_token_id=pad_id(self.tokenizer))
 
 
-def _pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: Any) -> int:
+    """The id prompts and responses are padded with: the tokenizer's pad token, else its eos token.
+
+    Raises:
+        ValueError: the tokenizer has neither.
+    """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ValueError("The tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
@@ -348,6 +353,13 @@ class PromptLoader:
     final short batch of an epoch (RL steps want a fixed number of prompts).
     ``state_dict()`` / ``load_state_dict()`` carry the sampler position, so a resumed run
     sees the same next batch as the uninterrupted run would have.
+
+    With ``num_workers`` > 0 (``data.dataloader_num_workers``), that many worker processes of a
+    ``torch.utils.data.DataLoader`` read the rows (``dataset[i]``) and collate each batch, a few
+    batches ahead; the batches and their order are the same as with 0 (rows read here, when asked
+    for). The position still counts only the batches handed out, so resuming is unchanged. The
+    workers of an epoch start with its first batch and stop with its last (or when iteration is
+    abandoned); they take their seeds from the loader's seed, never from the global RNG.
     """
 
     def __init__(
@@ -359,13 +371,19 @@ class PromptLoader:
         seed: int = 0,
         drop_last: bool = True,
         collate: Any = None,
+        num_workers: int = 0,
     ):
         if batch_size < 1 or (drop_last and batch_size > len(dataset)):
             raise ValueError(
                 f"batch_size={batch_size} must be between 1 and the dataset size {len(dataset)} "
                 "(with drop_last, a larger batch would never be produced)."
             )
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(
+                f"num_workers={num_workers!r} must be an int >= 0 (0 = read rows in this process)."
+            )
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
+        self.num_workers = num_workers
         self.sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed)
         self.collate = collate or getattr(dataset, "collate_fn", collate_fn)
 
@@ -377,14 +395,28 @@ class PromptLoader:
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
         order = sampler.order(sampler.epoch)
-        n = sampler.data_len
-        while sampler.position < n:
-            stop = min(sampler.position + self.batch_size, n)
-            if stop - sampler.position < self.batch_size and self.drop_last:
-                break
-            indices = order[sampler.position : stop]
-            sampler.position = stop
-            yield self.collate([self.dataset[i] for i in indices])
+        starts = range(sampler.position, sampler.data_len, self.batch_size)
+        batches = [order[start : start + self.batch_size] for start in starts]
+        if batches and len(batches[-1]) < self.batch_size and self.drop_last:
+            batches.pop()
+        if self.num_workers and batches:
+            import trellis.data.protocol  # noqa: F401 - imported once here, not in every forked worker
+
+            loaded: Iterator[Any] = iter(
+                torch.utils.data.DataLoader(
+                    self.dataset,
+                    batch_sampler=batches,
+                    num_workers=self.num_workers,
+                    collate_fn=self.collate,
+                    # the workers' seeds: from this generator, so the global RNG is left as it was
+                    generator=torch.Generator().manual_seed(sampler.seed + sampler.epoch),
+                )
+            )
+        else:
+            loaded = (self.collate([self.dataset[i] for i in indices]) for indices in batches)
+        for indices, batch in zip(batches, loaded, strict=True):
+            sampler.position += len(indices)
+            yield batch
         sampler.epoch, sampler.position = sampler.epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import os
 import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast, overload
 
 import numpy as np
 import torch
@@ -207,8 +207,10 @@ def _map_batch(batch: TensorDictBase, fn: Any, rows: int) -> TensorDictBase:
     """A new TensorDict with ``fn(tensor)`` for every leaf; first batch dim becomes ``rows``."""
     batch_size = torch.Size([rows, *batch.batch_size[1:]])
     if type(batch) is not TensorDict:
-        return batch.apply(fn, batch_size=batch_size)
-    source = {}
+        mapped = batch.apply(fn, batch_size=batch_size)
+        assert mapped is not None  # apply() returns None only when told to work in place
+        return mapped
+    source: dict[str, Any] = {}
     for key, value in batch.items():
         source[key] = _map_batch(value, fn, rows) if isinstance(value, TensorDictBase) else fn(value)
     return TensorDict(source, batch_size=batch_size, device=batch.device)
@@ -263,7 +265,7 @@ def _cat_batches(batches: Sequence[TensorDictBase]) -> TensorDictBase:
     first = batches[0]
     rows = sum(b.batch_size[0] for b in batches)
     batch_size = torch.Size([rows, *first.batch_size[1:]])
-    source = {}
+    source: dict[str, torch.Tensor | TensorDictBase] = {}
     for key, value in first.items():
         values = [value, *(b.get(key) for b in batches[1:])]
         if isinstance(value, TensorDictBase):
@@ -326,7 +328,11 @@ def union_numpy_dict(arrays1: dict[str, np.ndarray], arrays2: dict[str, np.ndarr
 # ---------------------------------------------------------------- pickling of tensors
 
 
-def _pack_tensor(tensor: torch.Tensor) -> tuple:
+# (dtype name, shape, device, requires_grad, the elements' bytes as a uint8 array)
+_PackedTensor = tuple[str, tuple[int, ...], str, bool, np.ndarray]
+
+
+def _pack_tensor(tensor: torch.Tensor) -> _PackedTensor:
     """(dtype, shape, device, requires_grad, bytes as uint8 ndarray) of exactly the tensor's elements.
 
     A view (a chunk, a slice) holds only its own elements, not the whole storage it points into,
@@ -349,7 +355,7 @@ def _pack_tensor(tensor: torch.Tensor) -> tuple:
     )
 
 
-def _unpack_tensor(packed: tuple) -> torch.Tensor:
+def _unpack_tensor(packed: _PackedTensor) -> torch.Tensor:
     dtype_name, shape, device, requires_grad, raw = packed
     if not raw.flags.writeable:  # an out-of-band read-only buffer: torch needs writable memory
         raw = raw.copy()
@@ -367,7 +373,7 @@ def _pack_batch(batch: TensorDictBase) -> Any:
     entries = [
         (key, "td", _pack_batch(value))
         if isinstance(value, TensorDictBase)
-        else (key, "t", _pack_tensor(value))
+        else (key, "t", _pack_tensor(cast(torch.Tensor, value)))  # a plain TensorDict's leaves
         for key, value in batch.items()
     ]
     device = None if batch.device is None else str(batch.device)
@@ -376,7 +382,7 @@ def _pack_batch(batch: TensorDictBase) -> Any:
 
 def _unpack_batch(packed: Any) -> TensorDictBase:
     if packed[0] == "object":
-        return packed[1]
+        return cast(TensorDictBase, packed[1])
     _, batch_size, device, entries = packed
     source = {
         key: _unpack_batch(value) if kind == "td" else _unpack_tensor(value) for key, kind, value in entries
@@ -437,6 +443,20 @@ class DataProto:
         self.meta_info = meta_info
         return self
 
+    @property
+    def tensors(self) -> TensorDictBase:
+        """The per-sample tensors (``batch``), for code that needs them.
+
+        Raises:
+            DataProtoError: this DataProto holds no tensors (``batch`` is None).
+        """
+        if self.batch is None:
+            raise DataProtoError(
+                f"This DataProto holds no tensors (batch is None; non-tensor keys: "
+                f"{sorted(self.non_tensor_batch)}); build it with tensors= to use them."
+            )
+        return self.batch
+
     def _derive(self, batch: TensorDictBase | None, non_tensor_batch: dict[str, np.ndarray]) -> DataProto:
         return type(self)._unchecked(batch, non_tensor_batch, dict(self.meta_info))
 
@@ -445,7 +465,7 @@ class DataProto:
     @classmethod
     def from_dict(
         cls,
-        tensors: Mapping[str, torch.Tensor] | None = None,
+        tensors: Mapping[str, torch.Tensor | TensorDictBase] | None = None,
         non_tensors: Mapping[str, Any] | None = None,
         meta_info: Mapping[str, Any] | None = None,
         num_batch_dims: int = 1,
@@ -511,7 +531,8 @@ class DataProto:
         Raises:
             DataProtoError: a value is neither (the message names the key and its type).
         """
-        tensors, non_tensors = {}, {}
+        tensors: dict[str, torch.Tensor] = {}
+        non_tensors: dict[str, np.ndarray] = {}
         for key, value in data.items():
             if isinstance(value, torch.Tensor):
                 tensors[key] = value
@@ -541,7 +562,9 @@ class DataProto:
         """
         if not isinstance(tensor_dict, TensorDictBase):
             raise DataProtoError(f"from_tensordict takes a TensorDict, got {_type_name(tensor_dict)}.")
-        tensors, non_tensors, meta = {}, {}, {}
+        tensors: dict[str, Any] = {}  # from_dict checks each value
+        non_tensors: dict[str, np.ndarray] = {}
+        meta: dict[str, Any] = {}
         for key, value in tensor_dict.items():
             if isinstance(value, NonTensorStack):
                 non_tensors[key] = _object_column(value.tolist())
@@ -570,7 +593,8 @@ class DataProto:
                 raise DataProtoError(
                     f"Cannot convert to a TensorDict: meta_info key {key!r} is also a column name."
                 )
-            result.set(key, NonTensorData(data=value, batch_size=result.batch_size))
+            # NonTensorData is a tensorclass, which tensordict's annotations of set() leave out
+            result.set(key, NonTensorData(data=value, batch_size=result.batch_size))  # type: ignore[arg-type]
         return result
 
     # -- consistency
@@ -631,14 +655,23 @@ class DataProto:
 
     def __len__(self) -> int:
         if self.batch is not None:
-            return self.batch.batch_size[0]
+            return int(self.batch.batch_size[0])
         for value in self.non_tensor_batch.values():
-            return value.shape[0]
+            return int(value.shape[0])
         return 0
 
     def __iter__(self) -> Iterator[DataProtoItem]:
         for i in range(len(self)):
             yield self[i]
+
+    @overload
+    def __getitem__(self, item: int | np.integer[Any]) -> DataProtoItem: ...
+
+    @overload
+    def __getitem__(self, item: slice | list[int] | list[bool] | range) -> DataProto: ...
+
+    @overload
+    def __getitem__(self, item: np.ndarray | torch.Tensor) -> DataProtoItem | DataProto: ...
 
     def __getitem__(self, item: Any) -> DataProtoItem | DataProto:
         """``data[i]`` is one :class:`DataProtoItem`; a slice, a list/array/tensor of ints or a
@@ -757,14 +790,14 @@ class DataProto:
         if isinstance(keys, str):
             keys = (keys,)
         if self.batch is None:
-            keys = _keys_list(keys, "batch_keys")
-            if keys:
-                raise DataProtoError(f"Cannot select tensor {keys[0]!r}: this DataProto has no batch.")
+            names = _keys_list(keys, "batch_keys")
+            if names:
+                raise DataProtoError(f"Cannot select tensor {names[0]!r}: this DataProto has no batch.")
             return None
         try:
             return _select_tensors(self.batch, keys)
         except (KeyError, TypeError, RuntimeError):
-            self._missing(_keys_list(keys, "batch_keys"), list(self.batch.keys()), "tensor")
+            self._missing(_keys_list(keys, "batch_keys") or [], list(self.batch.keys()), "tensor")
             raise
 
     @staticmethod
@@ -774,7 +807,7 @@ class DataProto:
         try:
             return {key: source[key] for key in keys}
         except (KeyError, TypeError):
-            DataProto._missing(_keys_list(keys, f"{what} keys"), list(source), what)
+            DataProto._missing(_keys_list(keys, f"{what} keys") or [], list(source), what)
             raise
 
     @staticmethod
@@ -803,7 +836,7 @@ class DataProto:
         popped_batch = self._select_batch(batch_keys) if batch_keys else None
         popped_columns = self._pick(self.non_tensor_batch, column_keys, "non-tensor")
         popped_meta = self._pick(self.meta_info, meta_keys, "meta_info")
-        if batch_keys:
+        if batch_keys and self.batch is not None:  # (batch_keys without a batch raised above)
             self.batch = self.batch.exclude(*batch_keys)
         if column_keys:
             self.non_tensor_batch = {
@@ -841,7 +874,7 @@ class DataProto:
             if n in remaining:
                 raise DataProtoError(f"Cannot rename to {n!r}: that key already exists.")
         mapping = dict(zip(old, new, strict=True))
-        if any(o in batch_keys for o in old):
+        if self.batch is not None and any(o in batch_keys for o in old):
             # A new TensorDict, not rename_key_: the old one may be shared, and swaps just work.
             batch = self.batch
             source = {mapping.get(key, key): value for key, value in batch.items()}
@@ -938,6 +971,7 @@ class DataProto:
     ) -> list[DataProto]:
         if not sizes:
             return []
+        batches: Sequence[TensorDictBase | None]
         if self.batch is None:
             batches = [None] * len(sizes)
         elif chunks is not None and sizes[0]:
@@ -1095,7 +1129,7 @@ class DataProto:
         batch = None if self.batch is None else self.batch.copy()
         return type(self)._unchecked(batch, dict(self.non_tensor_batch), dict(self.meta_info))
 
-    def __deepcopy__(self, memo: dict) -> DataProto:
+    def __deepcopy__(self, memo: dict[int, Any]) -> DataProto:
         batch = None if self.batch is None else self.batch.clone()
         return type(self)._unchecked(
             batch, copy.deepcopy(self.non_tensor_batch, memo), copy.deepcopy(self.meta_info, memo)
@@ -1116,13 +1150,13 @@ class DataProto:
         self.__dict__.update(state)
         self.batch = None if packed is None else _unpack_batch(packed)
 
-    def save_to_disk(self, path: str | os.PathLike) -> None:
+    def save_to_disk(self, path: str | os.PathLike[str]) -> None:
         """Write this object to ``path`` (pickle, compact tensors)."""
         with open(path, "wb") as f:
             pickle.dump(self, f, protocol=pickle.HIGHEST_PROTOCOL)
 
     @classmethod
-    def load_from_disk(cls, path: str | os.PathLike) -> DataProto:
+    def load_from_disk(cls, path: str | os.PathLike[str]) -> DataProto:
         """Read an object written by :meth:`save_to_disk`. Pickle runs code: load only files you trust.
 
         Raises:
@@ -1191,18 +1225,19 @@ def _key_mismatch(what: str, first: Any, other: Any, index: int) -> None:
 
 def _concat_batches(parts: list[DataProto]) -> TensorDictBase | None:
     batches = [part.batch for part in parts]
-    if all(batch is None for batch in batches):
+    present = [batch for batch in batches if batch is not None]
+    if not present:
         return None
-    for i, batch in enumerate(batches):
-        if batch is None:
-            other = next(j for j, b in enumerate(batches) if b is not None)
-            raise DataProtoError(f"DataProto.concat: part {i} has no tensors but part {other} does.")
-    first_keys = set(batches[0].keys())
-    for i, batch in enumerate(batches[1:], start=1):
+    if len(present) < len(batches):
+        i = next(j for j, b in enumerate(batches) if b is None)
+        other = next(j for j, b in enumerate(batches) if b is not None)
+        raise DataProtoError(f"DataProto.concat: part {i} has no tensors but part {other} does.")
+    first_keys = set(present[0].keys())
+    for i, batch in enumerate(present[1:], start=1):
         keys = batch.keys()
         if len(keys) != len(first_keys) or any(key not in first_keys for key in keys):
             _key_mismatch("tensor", first_keys, set(keys), i)
-    return _cat_batches(batches)
+    return _cat_batches(present)
 
 
 def _merge_meta(parts: Sequence[DataProto]) -> dict[str, Any]:
@@ -1250,7 +1285,7 @@ def pad_dataproto_to_divisor(data: DataProto, divisor: int) -> tuple[DataProto, 
     if pad_size == 0:
         return data, 0
     padding = data._take(np.arange(pad_size, dtype=np.int64) % n)
-    batch = None if data.batch is None else _cat_batches([data.batch, padding.batch])
+    batch = None if data.batch is None or padding.batch is None else _cat_batches([data.batch, padding.batch])
     columns = {
         key: np.concatenate([value, padding.non_tensor_batch[key]])
         for key, value in data.non_tensor_batch.items()

@@ -18,7 +18,6 @@ Importing ``trellis.device`` does not import torch; backends import it inside th
 
 from __future__ import annotations
 
-from trellis._lazy import lazy_attributes
 from trellis.device.base import (
     DeviceBackend,
     DeviceError,
@@ -36,6 +35,7 @@ from trellis.device.selection import (
     get_device_name,
     get_torch_device,
 )
+from trellis.utils.lazy import lazy_attributes
 
 # public name -> "module:attr", imported on first access
 _LAZY: dict[str, str] = {

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 from trellis.device.base import DeviceBackend, DeviceError, DeviceEvent, DeviceStream
-from trellis.utils.memory import _peak_rss_bytes, _physical_memory_bytes, _rss_bytes
+from trellis.utils.memory import peak_rss_bytes, physical_memory_bytes, rss_bytes
 
 __all__ = ["CPUBackend", "CPUEvent", "CPUStream", "CPUTorchModule"]
 
@@ -55,6 +55,7 @@ class CPUEvent(DeviceEvent):
         """Milliseconds of wall-clock time from this event's ``record()`` to ``end_event``'s."""
         self._check_timing_pair(end_event)
         end_ns = cast(CPUEvent, end_event)._ns  # same type: checked above
+        assert end_ns is not None and self._ns is not None  # both recorded: checked above
         return (end_ns - self._ns) / 1e6
 
 
@@ -150,19 +151,19 @@ class CPUBackend(DeviceBackend):
         """The process's resident set size (RSS) in bytes."""
         if device is not None:
             _check_cpu_index(device)
-        return _rss_bytes()
+        return rss_bytes()
 
     def memory_reserved(self, device: int | None = None) -> int:
         """The process's peak RSS in bytes (never below the current RSS)."""
         if device is not None:
             _check_cpu_index(device)
-        return max(_peak_rss_bytes(), _rss_bytes())
+        return max(peak_rss_bytes(), rss_bytes())
 
     def total_memory(self, device: int | None = None) -> int:
         """The machine's physical memory in bytes."""
         if device is not None:
             _check_cpu_index(device)
-        return _physical_memory_bytes()
+        return physical_memory_bytes()
 
     def empty_cache(self) -> None:
         """No-op: there is no device allocator cache on the CPU to return."""
@@ -251,10 +252,10 @@ class CPUTorchModule:
         return self._backend.memory_reserved()
 
     def max_memory_allocated(self, device: Any = None) -> int:
-        return max(_peak_rss_bytes(), _rss_bytes())
+        return max(peak_rss_bytes(), rss_bytes())
 
     def max_memory_reserved(self, device: Any = None) -> int:
-        return max(_peak_rss_bytes(), _rss_bytes())
+        return max(peak_rss_bytes(), rss_bytes())
 
     def manual_seed(self, seed: int) -> None:
         import torch

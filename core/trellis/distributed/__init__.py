@@ -3,7 +3,7 @@
 from trellis.distributed import Worker, register, Dispatch, LocalWorkerGroup, RayWorkerGroup
 """
 
-from trellis._lazy import lazy_attributes
+from trellis.utils.lazy import lazy_attributes
 
 _LAZY = {
     "Dispatch": "trellis.distributed.dispatch:Dispatch",

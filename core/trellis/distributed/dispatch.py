@@ -199,7 +199,7 @@ def _mesh_dispatch(
     dp_size = max(ranks) + 1
     split_args, split_kwargs, pad = _split_protos(dp_size, args, kwargs)
     per_worker_args = tuple([chunks[r] for r in ranks] for chunks in split_args)
-    per_worker_kwargs = {k: [chunks[r] for r in ranks] for k, chunks in split_kwargs.items()}
+    per_worker_kwargs: dict[str, Any] = {k: [chunks[r] for r in ranks] for k, chunks in split_kwargs.items()}
     if pad:
         per_worker_kwargs[PAD_KEY] = pad
     return per_worker_args, per_worker_kwargs
@@ -212,7 +212,7 @@ def _mesh_collect(mesh_name: str, group: Any, outputs: list[Any]) -> Any:
     return concat_outputs([outputs[i] for _, i in picked])
 
 
-def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Callable[..., Any]]:
+def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Any]:
     """The dispatch mode of mesh ``mesh_name``: one DataProto chunk per data-parallel rank, collected
     from the workers that registered ``is_collect=True`` for it, concatenated in data-parallel order."""
     return {

@@ -29,15 +29,17 @@ import functools
 import inspect
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from trellis.distributed.dispatch import Dispatch, Execute, get_dispatch_mode
 
 REGISTER_ATTR = "__trellis_register__"
 PICK_MASTER_ENV = "TRELLIS_PICK_MASTER"
 """Set for a group's rank-0 Ray actor: it chooses ``MASTER_ADDR`` / ``MASTER_PORT`` on its own node."""
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _RANK: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "trellis_worker_rank", default=None
@@ -55,7 +57,7 @@ class MethodSpec:
 
 def register(
     dispatch_mode: Any = Dispatch.ALL_TO_ALL, execute_mode: str = Execute.ALL, blocking: bool = True
-) -> Any:
+) -> Callable[[F], F]:
     """Mark a worker method as callable through its worker group.
 
     Args:
@@ -74,7 +76,8 @@ def register(
         raise ValueError(f"Unknown execute mode {execute_mode!r}; use Execute.ALL or Execute.RANK_ZERO.")
     spec = MethodSpec(dispatch_mode, execute_mode, bool(blocking))
 
-    def decorate(fn: Any) -> Any:
+    def decorate(fn: F) -> F:
+        wrapper: Callable[..., Any]
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
@@ -92,7 +95,7 @@ def register(
 
             wrapper = call
         setattr(wrapper, REGISTER_ATTR, spec)
-        return wrapper
+        return cast(F, wrapper)  # functools.wraps: same name, signature and docstring as fn
 
     return decorate
 
@@ -161,6 +164,11 @@ class Worker:
     ``@register(dispatch_mode=Dispatch.ONE_TO_ALL) def init_model(self): ...``.
     """
 
+    _rank: int
+    _world_size: int
+    _dispatch_info: dict[str, int]  # mesh name -> this worker's data-parallel rank on it
+    _collect_info: dict[str, bool]  # mesh name -> whether this worker's output is kept
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Worker:
         self = super().__new__(cls)
         placed = _RANK.get()
@@ -169,8 +177,8 @@ class Worker:
         else:
             self._rank = int(os.environ.get("RANK", "0"))
             self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self._dispatch_info: dict[str, int] = {}
-        self._collect_info: dict[str, bool] = {}
+        self._dispatch_info = {}
+        self._collect_info = {}
         if os.environ.pop(PICK_MASTER_ENV, None) == "1":
             os.environ["MASTER_ADDR"], port = _free_address()
             os.environ["MASTER_PORT"] = str(port)

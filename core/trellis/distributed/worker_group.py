@@ -18,6 +18,7 @@ from typing import Any
 from trellis.distributed.dispatch import PAD_KEY, Dispatch, Execute, get_dispatch_mode, strip_padding
 from trellis.distributed.future import DataProtoFuture
 from trellis.distributed.worker import REGISTER_ATTR, MethodSpec, Worker, registered_methods, worker_rank
+from trellis.utils.coroutines import run_coroutine
 
 
 class ClassWithInitArgs:
@@ -37,8 +38,6 @@ class ClassWithInitArgs:
 def _run(result: Any) -> Any:
     """The value of a method's result, running it to completion when it is a coroutine."""
     if inspect.iscoroutine(result):
-        from trellis.reward.managers import run_coroutine
-
         return run_coroutine(result)
     return result
 

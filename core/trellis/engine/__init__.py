@@ -22,7 +22,7 @@ and global counts), ``packing`` (padding-free sequences). Names below import on 
 
 from __future__ import annotations
 
-from trellis._lazy import lazy_attributes
+from trellis.utils.lazy import lazy_attributes
 
 # public name -> "module:attr", imported on first access
 _LAZY: dict[str, str] = {

@@ -50,17 +50,22 @@ from typing import Any, ClassVar
 
 import torch
 
-from trellis._config import setting
 from trellis.algorithms.logprobs import logprobs_and_entropy_from_logits, logprobs_from_logits
+from trellis.config.base import schema_default
+from trellis.config.schema import ActorConfig, CriticConfig, RefConfig
 from trellis.data.protocol import DataProto
 from trellis.engine import packing
 from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, micro_batch_groups
-from trellis.engine.models import compute_dtype, load_model
+from trellis.engine.models import compute_dtype, load_model, model_setting
 from trellis.engine.optim import build_lr_scheduler, build_optimizer
 from trellis.errors import EngineError
+from trellis.utils.settings import setting
 
 ROLES = ("actor", "critic", "ref")
 """What an engine's model is for: a trained policy, a trained value model, a frozen reference."""
+
+ROLE_CONFIGS: dict[str, type] = {"actor": ActorConfig, "critic": CriticConfig, "ref": RefConfig}
+"""The config section of each role; its declared defaults fill what a role's config leaves out."""
 
 BATCH_KEYS = ("input_ids", "attention_mask", "responses")
 """Tensors every batch needs (``position_ids`` is optional; ``response_mask`` for training)."""
@@ -113,12 +118,12 @@ class TrainingEngine:
         self.model_config = model_config
         self.role_config = role_config if role_config is not None else _default_role_config(role)
         self.device = _resolve_device(device)
-        self.dtype = compute_dtype(setting(model_config, "dtype", "bfloat16"))
-        self.use_remove_padding = bool(setting(model_config, "use_remove_padding", False))
+        self.dtype = compute_dtype(model_setting(model_config, "dtype"))
+        self.use_remove_padding = bool(model_setting(model_config, "use_remove_padding"))
         self.micro_batch_size, self.max_tokens, self.grad_clip = _batching(role, self.role_config)
         self.dp_rank, self.dp_size = self._init_parallel(process_group)
 
-        attn = setting(model_config, "attn_implementation", "sdpa")
+        attn = model_setting(model_config, "attn_implementation")
         packable = packing.MASK_IMPLEMENTATIONS + packing.VARLEN_IMPLEMENTATIONS
         if self.use_remove_padding and attn not in packable:
             raise ValueError(
@@ -127,20 +132,20 @@ class TrainingEngine:
                 "set use_remove_padding false."
             )
 
-        path = setting(self.role_config, "model_path", None) if role == "critic" else None
+        path = _role_setting(role, self.role_config, "model_path") if role == "critic" else None
         module = load_model(model_config, value_model=role == "critic", path=path, seed=seed)
         self.attn_implementation = module.config._attn_implementation
         self._logits_to_keep = "logits_to_keep" in inspect.signature(module.forward).parameters
         if role == "ref":
             module.requires_grad_(False)
-        elif setting(model_config, "gradient_checkpointing", False):
+        elif model_setting(model_config, "gradient_checkpointing"):
             _enable_checkpointing(module)
         self.model = self._wrap_model(module)
 
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if role != "ref":
-            optim_config = setting(self.role_config, "optim", None)
+            optim_config = _role_setting(role, self.role_config, "optim")
             self.optimizer = build_optimizer(self.model.parameters(), optim_config)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config, total_steps)
         self.global_step = 0
@@ -204,7 +209,7 @@ class TrainingEngine:
                 else:  # keep step with the ranks that have one more micro-batch
                     self._run_micro_batch(data[[0]].to(self.device), compute_entropy)
         order = packing.restore_order([group for group in groups if group]).to(self.device)
-        home = data.batch["input_ids"].device
+        home = data.tensors["input_ids"].device
         return {key: torch.cat([out[key] for out in outputs])[order].to(home) for key in outputs[0]}
 
     def forward_backward(
@@ -232,7 +237,7 @@ class TrainingEngine:
         data = self._check_batch(batch, "forward_backward", compute_entropy=compute_entropy, training=True)
         self._require_on_device("forward_backward")
         info = global_batch_info(
-            data.batch["response_mask"].to(self.device), dp_size=self.dp_size, all_reduce=self._all_reduce
+            data.tensors["response_mask"].to(self.device), dp_size=self.dp_size, all_reduce=self._all_reduce
         )
         groups = self._groups(data)
         self.model.train()
@@ -248,13 +253,13 @@ class TrainingEngine:
             loss, step_metrics = _check_loss(loss_fn(outputs, micro, info))
             loss.backward()
             total_loss += loss.detach().to(torch.float64)
-            metrics.add(step_metrics, micro.batch["response_mask"].sum())
+            metrics.add(step_metrics, micro.tensors["response_mask"].sum())
         result = metrics.reduce(self._union_keys(list(metrics.sums)), self._all_reduce)
         result["loss"] = float(self._all_reduce(total_loss, "sum")) / self.dp_size
         return result
 
     def _groups(self, data: DataProto) -> list[list[int]]:
-        lengths = data.batch["attention_mask"].sum(dim=-1)
+        lengths = data.tensors["attention_mask"].sum(dim=-1)
         return micro_batch_groups(
             lengths,
             micro_batch_size=self.micro_batch_size,
@@ -265,7 +270,7 @@ class TrainingEngine:
 
     def _run_micro_batch(self, micro: DataProto, compute_entropy: bool) -> dict[str, torch.Tensor]:
         """The model on one micro-batch (on ``self.device``); outputs ``(mbs, T)`` per key."""
-        tensors = micro.batch
+        tensors = micro.tensors
         input_ids, attention_mask = tensors["input_ids"], tensors["attention_mask"]
         responses = tensors["responses"]
         position_ids = tensors.get("position_ids", None)
@@ -548,26 +553,34 @@ class TrainingEngine:
 
 
 def _default_role_config(role: str) -> Any:
-    from trellis.config.schema import ActorConfig, CriticConfig, RefConfig
+    return ROLE_CONFIGS[role]()
 
-    return {"actor": ActorConfig, "critic": CriticConfig, "ref": RefConfig}[role]()
+
+def _role_setting(role: str, config: Any, key: str) -> Any:
+    """``key`` of a role's config (a section, a dict or None); missing or null: the schema's default for
+    that role, or the actor's where the role's section lacks the key (the ref has no batching keys)."""
+    try:
+        default = schema_default(ROLE_CONFIGS[role], key)
+    except KeyError:
+        default = schema_default(ActorConfig, key)
+    return setting(config, key, default)
 
 
 def _batching(role: str, config: Any) -> tuple[int, int | None, float]:
     """(rows per micro-batch, token budget per micro-batch or None, grad clip) of a role's config."""
     key = "log_prob_micro_batch_size_per_device" if role == "ref" else "ppo_micro_batch_size_per_device"
-    micro_batch_size = setting(config, key, None) or setting(config, "ppo_micro_batch_size_per_device", 4)
+    micro_batch_size = _role_setting(role, config, key)
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"{role}.{key}={micro_batch_size!r} must be a positive number of rows.")
     max_tokens = None
-    if setting(config, "use_dynamic_bsz", False):
-        max_tokens = setting(config, "max_token_len_per_micro_batch", None)
+    if _role_setting(role, config, "use_dynamic_bsz"):
+        max_tokens = _role_setting(role, config, "max_token_len_per_micro_batch")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(
                 f"{role}.max_token_len_per_micro_batch={max_tokens!r} must be a positive number of tokens "
                 "with use_dynamic_bsz."
             )
-    grad_clip = float(setting(config, "grad_clip", 1.0))
+    grad_clip = float(_role_setting(role, config, "grad_clip"))
     if not grad_clip > 0:
         raise ValueError(f"{role}.grad_clip={grad_clip!r} must be > 0.")
     return micro_batch_size, max_tokens, grad_clip

@@ -60,8 +60,10 @@ class FSDPEngine(TrainingEngine):
                 "...) in every rank first (backend: trellis.device.get_communication_backend(), gloo on "
                 "CPU), or use the 'single' engine for one process."
             )
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None  # WORLD is set once torch.distributed is initialized: checked above
+        self.process_group = group
+        self.mesh = DeviceMesh.from_group(group, self.device.type)
         return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
 
     def _wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -98,6 +100,7 @@ class FSDPEngine(TrainingEngine):
         return {key: _local(value) for key, value in self.model.state_dict().items()}
 
     def _optimizer_state(self) -> dict[str, Any]:
+        assert self.optimizer is not None  # state_dict() asks only an engine that trains
         state = self.optimizer.state_dict()
         return {
             "state": {
@@ -127,6 +130,7 @@ class FSDPEngine(TrainingEngine):
                 target.copy_(value)
 
     def _load_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        assert self.optimizer is not None  # load_state_dict() calls this only for an engine that trains
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
         entries = {}
         for index, entry in state["state"].items():

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
-from trellis._config import setting
+from trellis.config.base import schema_default
+from trellis.config.schema import ModelConfig
 from trellis.engine import packing
+from trellis.utils.settings import setting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,6 +37,11 @@ def compute_dtype(name: Any) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"model.dtype {name!r} is not supported; use one of {list(DTYPES)}.")
     return DTYPES[name]
+
+
+def model_setting(model_config: Any, key: str) -> Any:
+    """``key`` of a ``ModelConfig`` (or a dict, or None); missing or null: the schema's default."""
+    return setting(model_config, key, schema_default(ModelConfig, key))
 
 
 def load_model(
@@ -55,23 +62,24 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    path = path or setting(model_config, "path", None)
+    path = path or model_setting(model_config, "path")
     if not path:
         raise ValueError(
             "model.path is not set: name the model to train, a Hugging Face hub id or a local folder."
         )
-    trust = bool(setting(model_config, "trust_remote_code", False))
+    trust = bool(model_setting(model_config, "trust_remote_code"))
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-    for key, value in dict(setting(model_config, "override_config", None) or {}).items():
+    for key, value in dict(model_setting(model_config, "override_config")).items():
         setattr(config, key, value)
+    auto_class: type[AutoModelForCausalLM | AutoModelForTokenClassification]
     if value_model:
         config.num_labels = 1
         config.classifier_dropout = 0.0
         auto_class = AutoModelForTokenClassification
     else:
         auto_class = AutoModelForCausalLM
-    attn_implementation = setting(model_config, "attn_implementation", "sdpa")
-    if attn_implementation == "sdpa" and setting(model_config, "use_remove_padding", False):
+    attn_implementation = model_setting(model_config, "attn_implementation")
+    if attn_implementation == "sdpa" and model_setting(model_config, "use_remove_padding"):
         # Packed sequences through sdpa need a 4-D mask: attention over total² positions. Our
         # per-sequence sdpa gives the same numbers and is 1.5-2x faster (benchmarks/packing.py).
         attn_implementation = packing.VARLEN_SDPA

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from trellis._config import setting
+from trellis.config.base import schema_default
+from trellis.config.schema import OptimConfig
+from trellis.utils.settings import setting
 
 OPTIMIZERS = ("adamw",)
 SCHEDULES = ("constant", "cosine")
@@ -35,19 +37,24 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim_config: Any) -> 
     Raises:
         ValueError: an optimizer name other than ``adamw``; no parameters to optimize.
     """
-    name = str(setting(optim_config, "name", "adamw")).lower()
+    name = str(_optim(optim_config, "name")).lower()
     if name not in OPTIMIZERS:
         raise ValueError(f"optim.name {name!r} is not supported; use one of {list(OPTIMIZERS)}.")
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("build_optimizer: the model has no trainable parameters (requires_grad=True).")
-    betas = tuple(float(beta) for beta in setting(optim_config, "betas", (0.9, 0.999)))
+    beta1, beta2 = (float(beta) for beta in _optim(optim_config, "betas"))  # two: AdamW unpacks them too
     return torch.optim.AdamW(
         params,
-        lr=float(setting(optim_config, "lr", 1e-6)),
-        betas=betas,
-        weight_decay=float(setting(optim_config, "weight_decay", 0.01)),
+        lr=float(_optim(optim_config, "lr")),
+        betas=(beta1, beta2),
+        weight_decay=float(_optim(optim_config, "weight_decay")),
     )
+
+
+def _optim(optim_config: Any, key: str) -> Any:
+    """``key`` of an ``OptimConfig`` (or a dict, or None); missing or null: the schema's default."""
+    return setting(optim_config, key, schema_default(OptimConfig, key))
 
 
 class LRSchedule:
@@ -97,6 +104,7 @@ class LRSchedule:
             return (step + 1) / self.warmup_steps  # linear warm-up, reaching 1 on its last step
         if self.kind == "constant":
             return 1.0
+        assert self.total_steps is not None  # cosine: __init__ checked it
         decay_steps = self.total_steps - self.warmup_steps
         progress = 1.0 if decay_steps <= 1 else min(1.0, (step - self.warmup_steps) / (decay_steps - 1))
         # m + (1 − m)·½(1 + cos πp): 1 at p = 0, m at p = 1
@@ -109,10 +117,10 @@ def warmup_steps(optim_config: Any, total_steps: int | None) -> int:
     Raises:
         ValueError: a warm-up ratio > 0 without ``total_steps``.
     """
-    steps = setting(optim_config, "lr_warmup_steps", None)
+    steps = _optim(optim_config, "lr_warmup_steps")
     if steps is not None:
         return int(steps)
-    ratio = float(setting(optim_config, "lr_warmup_steps_ratio", 0.0))
+    ratio = float(_optim(optim_config, "lr_warmup_steps_ratio"))
     if ratio == 0.0:
         return 0
     if total_steps is None:
@@ -136,7 +144,7 @@ def build_lr_scheduler(
     schedule = LRSchedule(
         warmup_steps(optim_config, total_steps),
         total_steps,
-        kind=str(setting(optim_config, "lr_scheduler", "constant")),
-        min_lr_ratio=float(setting(optim_config, "min_lr_ratio", 0.0)),
+        kind=str(_optim(optim_config, "lr_scheduler")),
+        min_lr_ratio=float(_optim(optim_config, "min_lr_ratio")),
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -43,6 +43,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -107,7 +108,7 @@ class PackedBatch:
         mask.masked_fill_(blocked, torch.finfo(dtype).min)
         return mask.view(1, 1, total, total)
 
-    def model_inputs(self, attn_implementation: str, dtype: torch.dtype) -> dict:
+    def model_inputs(self, attn_implementation: str, dtype: torch.dtype) -> dict[str, Any]:
         """Keyword arguments for ``model(**kwargs)`` on the packed tokens.
 
         Args:
@@ -122,7 +123,7 @@ class PackedBatch:
         Raises:
             ValueError: another attention implementation (it is named, with the supported ones).
         """
-        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        kwargs: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids}
         if attn_implementation in MASK_IMPLEMENTATIONS:
             kwargs["attention_mask"] = self.attention_mask(dtype)
         elif attn_implementation in VARLEN_IMPLEMENTATIONS:
@@ -178,9 +179,9 @@ def pack(
             f"pack: position_ids of shape {shape} do not match input_ids of shape {tuple(input_ids.shape)}; "
             "pass (batch, seq) position ids or None (positions then restart at 0 in every row)."
         )
-    for name, tensor in (("attention_mask", attention_mask), ("position_ids", position_ids)):
-        if tensor is not None and tensor.device != input_ids.device:
-            raise ValueError(f"pack: {name} is on {tensor.device} but input_ids on {input_ids.device}.")
+    for name, other in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if other is not None and other.device != input_ids.device:
+            raise ValueError(f"pack: {name} is on {other.device} but input_ids on {input_ids.device}.")
     if attention_mask.dtype == torch.bool:
         keep = attention_mask
     else:
@@ -355,7 +356,16 @@ def register_varlen_sdpa() -> str:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    def varlen_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    def varlen_sdpa_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         cu_seqlens = kwargs.get("cu_seq_lens_q")
         if cu_seqlens is None:
             return sdpa_attention_forward(
@@ -368,7 +378,16 @@ def register_varlen_sdpa() -> str:
     return VARLEN_SDPA
 
 
-def _varlen_sdpa(module, query, key, value, cu_seqlens, dropout, scaling, kwargs):
+def _varlen_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
     """Causal attention within each packed sequence.
 
     query ``(1, Hq, total, d)``, key and value ``(1, Hkv, total, d)``.

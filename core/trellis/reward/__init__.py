@@ -6,7 +6,6 @@ Importing this package is cheap (no torch); the managers import on first access.
 
 from __future__ import annotations
 
-from trellis._lazy import lazy_attributes
 from trellis.reward.builtin import (
     DATA_SOURCES,
     UnknownDataSourceError,
@@ -18,6 +17,7 @@ from trellis.reward.builtin import (
     math_score,
 )
 from trellis.reward.resolve import resolve_reward_function
+from trellis.utils.lazy import lazy_attributes
 
 _LAZY: dict[str, str] = {
     "NaiveRewardManager": "trellis.reward.managers:NaiveRewardManager",

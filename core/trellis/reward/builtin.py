@@ -193,8 +193,9 @@ def math_value(answer: str) -> Fraction | None:
     frac = re.fullmatch(r"\\frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", s)
     slash = re.fullmatch(r"(-?\d+(?:\.\d+)?)/(-?\d+(?:\.\d+)?)", s)
     try:
-        if frac or slash:
-            num, den = (frac or slash).groups()
+        match = frac or slash
+        if match:
+            num, den = match.groups()
             return sign * Fraction(num) / Fraction(den)
         if re.fullmatch(r"\d+(?:\.\d+)?", s):
             return sign * Fraction(s)

@@ -4,9 +4,9 @@ and the agent loops that turn prompts into (possibly multi-turn, tool-using) res
 from trellis.rollout import RolloutReplica, SamplingParams, TokenOutput, AgentLoop, AgentLoopManager
 """
 
-from trellis._lazy import lazy_attributes
 from trellis.rollout.base import MODES, RolloutReplica
 from trellis.rollout.sampling import SamplingParams, TokenOutput
+from trellis.utils.lazy import lazy_attributes
 
 _LAZY = {
     "AgentLoop": "trellis.rollout.agent_loop:AgentLoop",

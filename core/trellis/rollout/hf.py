@@ -68,10 +68,19 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from trellis.config.base import schema_default
+from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout.base import RolloutReplica
-from trellis.rollout.sampling import SamplingParams, TokenOutput
+from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
+from trellis.utils.settings import setting
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _setting(config: Any, section: type, key: str) -> Any:
+    """``key`` of a config section (or a dict, or None); missing or null: the schema's default."""
+    return setting(config, key, schema_default(section, key))
+
 
 AUTO_SINGLE_THREAD_PARAMS = 10_000_000
 """``cpu_threads="auto"``: models with fewer parameters generate with one intra-op thread on the CPU."""
@@ -110,7 +119,7 @@ class HFRolloutReplica(RolloutReplica):
 
     def __init__(self, replica_rank: int, rollout_config: Any, model_config: Any) -> None:
         super().__init__(replica_rank, rollout_config, model_config)
-        kwargs = dict(getattr(rollout_config, "engine_kwargs", None) or {})
+        kwargs = dict(_setting(rollout_config, RolloutConfig, "engine_kwargs"))
         self.max_batch_size = int(kwargs.get("max_batch_size", 256))
         self.batch_wait_s = float(kwargs.get("batch_wait_s", 0.002))
         if self.max_batch_size < 1:
@@ -147,7 +156,7 @@ class HFRolloutReplica(RolloutReplica):
                 )
             self.model = model
         else:
-            path = getattr(self.model_config, "path", None)
+            path = _setting(self.model_config, ModelConfig, "path")
             if model is not None:
                 self.model = model
             elif not path:
@@ -155,8 +164,8 @@ class HFRolloutReplica(RolloutReplica):
             else:
                 self.model = await asyncio.to_thread(self._load_model, path)
         if tokenizer is None:
-            tok_path = getattr(self.model_config, "tokenizer_path", None) or getattr(
-                self.model_config, "path", None
+            tok_path = _setting(self.model_config, ModelConfig, "tokenizer_path") or _setting(
+                self.model_config, ModelConfig, "path"
             )
             if tok_path:
                 from transformers import AutoTokenizer
@@ -164,7 +173,7 @@ class HFRolloutReplica(RolloutReplica):
                 tokenizer = await asyncio.to_thread(
                     AutoTokenizer.from_pretrained,
                     tok_path,
-                    trust_remote_code=bool(getattr(self.model_config, "trust_remote_code", False)),
+                    trust_remote_code=bool(_setting(self.model_config, ModelConfig, "trust_remote_code")),
                 )
         self.tokenizer = tokenizer
         if device is not None:
@@ -175,7 +184,7 @@ class HFRolloutReplica(RolloutReplica):
             self.device = next(self.model.parameters()).device
         if mode != "hybrid":
             self.model.eval()  # hybrid: training owns the module's mode; _run_batch switches it per batch
-        seed = getattr(self.rollout_config, "seed", None)
+        seed = _setting(self.rollout_config, RolloutConfig, "seed")
         self._generator = torch.Generator(device="cpu")
         if seed is not None:
             self._generator.manual_seed(int(seed) + self.replica_rank)
@@ -189,15 +198,15 @@ class HFRolloutReplica(RolloutReplica):
         from transformers import AutoModelForCausalLM
 
         mc = self.model_config
-        dtype = getattr(torch, _DTYPES.get(getattr(mc, "dtype", "float32"), "float32"))
-        attn = getattr(mc, "attn_implementation", "sdpa")
+        dtype = getattr(torch, _DTYPES.get(_setting(mc, ModelConfig, "dtype"), "float32"))
+        attn = _setting(mc, ModelConfig, "attn_implementation")
         if attn not in ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
             attn = "sdpa"  # trellis' own varlen kernels are for training forward passes
         return AutoModelForCausalLM.from_pretrained(
             path,
             dtype=dtype,
             attn_implementation=attn,
-            trust_remote_code=bool(getattr(mc, "trust_remote_code", False)),
+            trust_remote_code=bool(_setting(mc, ModelConfig, "trust_remote_code")),
         )
 
     @property
@@ -410,7 +419,8 @@ class HFRolloutReplica(RolloutReplica):
         results = []
         for i, p in enumerate(params):
             row = new[i].tolist()
-            n, reason = min(len(row), p.max_tokens), "length"
+            reason: StopReason = "length"
+            n = min(len(row), p.max_tokens)
             for t, tok in enumerate(row[:n]):
                 if tok in stops[i]:
                     n, reason = t + 1, "stop"
@@ -458,7 +468,7 @@ def _torch_threads(n: int | None) -> Iterator[None]:
     import torch
 
     before = torch.get_num_threads() if n is not None else None
-    if before is None or before == n:
+    if n is None or before is None or before == n:
         yield
         return
     torch.set_num_threads(n)

@@ -556,7 +556,7 @@ async def _receive_step(engine: Any, manager: Any, die_after: int | None) -> dic
             "calls": [[name for name, _ in call] for call in replica.calls],
             "events": list(replica.events),
         }
-    tensors = []
+    tensors: list[tuple[str, str, tuple[int, ...], bytes]] = []
     async for name, tensor in engine.receive_weights():
         if die_after is not None and len(tensors) == die_after:
             os._exit(17)

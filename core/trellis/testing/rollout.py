@@ -8,7 +8,7 @@
 
 Each test builds a replica ``cls(0, RolloutConfig(...), ModelConfig(path=model_path, dtype="float32"))``,
 awaits ``init`` and drives it inside one ``asyncio.run``. The ``model_path`` fixture builds the
-tiny model of :mod:`trellis.testing.tiny` unless the class sets ``model_path`` (a local HF folder)
+tiny model of :mod:`trellis.recipes.tiny` unless the class sets ``model_path`` (a local HF folder)
 or overrides the fixture. In ``hybrid`` mode the contract loads the model with transformers
 and passes it to ``init``.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from trellis.testing.registry import RegistryEntryContract
 
@@ -26,7 +26,7 @@ try:  # importing trellis.testing must not need pytest; the fixture exists where
     from pytest import fixture as _fixture
 except ImportError:  # pragma: no cover
 
-    def _fixture(**_: Any) -> Any:
+    def _fixture(**_: Any) -> Any:  # type: ignore[no-redef]  # the fallback when pytest is absent
         return lambda fn: fn
 
 
@@ -47,7 +47,7 @@ class RolloutReplicaContract(RegistryEntryContract):
     replica_name: ClassVar[str | None] = None
     replica_class: ClassVar[type | None] = None
     model_path: ClassVar[str | None] = None
-    mode: ClassVar[str] = "colocated"
+    mode: ClassVar[Literal["hybrid", "colocated", "standalone"]] = "colocated"
     engine_kwargs: ClassVar[dict[str, Any]] = {}
     max_tokens: ClassVar[int] = 8
 
@@ -60,9 +60,10 @@ class RolloutReplicaContract(RegistryEntryContract):
 
     @_fixture(name="model_path")
     def _model_path_fixture(self, tmp_path_factory: Any) -> str:
-        if type(self).model_path is not None:
-            return type(self).model_path
-        from trellis.testing.tiny import save_tiny_model
+        given = type(self).model_path
+        if given is not None:
+            return given
+        from trellis.recipes.tiny import save_tiny_model
 
         return save_tiny_model(tmp_path_factory.mktemp("rollout_contract_model"))
 
@@ -264,7 +265,7 @@ def check_grpo_run(
     import os
 
     import trellis
-    from trellis.trainer.presets import preset_overrides
+    from trellis.recipes.presets import preset_overrides
 
     result = trellis.train(
         overrides=[

@@ -1,25 +1,30 @@
-"""Utilities every layer uses: files anywhere, tokenizers, logging, timing, profiling, memory.
+"""Utilities every layer uses: files anywhere, tokenizers, logging, timing, profiling, memory,
+settings, coroutines. The bottom import layer: ``trellis.utils`` imports only ``trellis.errors``.
 
 Importing ``trellis.utils`` is cheap: it imports neither torch nor transformers. The public
 names below are attributes that import their module on first access; the modules
 themselves import torch, transformers and fsspec only inside the functions that need them.
 
-=========================  ====================================================
-module                     public names
-=========================  ====================================================
-``trellis.utils.fs``        ``copy``, ``makedirs``, ``is_non_local``, ``copy_to_local``
-``trellis.utils.tokenizer`` ``hf_tokenizer``, ``hf_processor``, ``normalize_token_ids``
-``trellis.utils.logging``   ``print_rank_0``, ``log_with_rank``, ``get_rank``
-``trellis.utils.timing``    ``timer``, ``marked_timer``
-``trellis.utils.profiling`` ``profile``
-``trellis.utils.memory``    ``device_memory_usage``, ``log_device_memory_usage``,
-                            ``aggressive_empty_cache``
-=========================  ====================================================
+==============================  ================================================================
+module                          public names
+==============================  ================================================================
+``trellis.utils.fs``            ``copy``, ``makedirs``, ``is_non_local``, ``copy_to_local``
+``trellis.utils.tokenizer``     ``hf_tokenizer``, ``hf_processor``, ``normalize_token_ids``
+``trellis.utils.logging``       ``print_rank_0``, ``log_with_rank``, ``get_rank``
+``trellis.utils.timing``        ``timer``, ``marked_timer``
+``trellis.utils.profiling``     ``profile``
+``trellis.utils.memory``        ``device_memory_usage``, ``log_device_memory_usage``,
+                                ``aggressive_empty_cache``, ``rss_bytes``, ``peak_rss_bytes``,
+                                ``physical_memory_bytes``
+``trellis.utils.settings``      ``config_value``, ``setting``
+``trellis.utils.coroutines``    ``run_coroutine``
+``trellis.utils.lazy``          ``lazy_attributes``
+==============================  ================================================================
 """
 
 from __future__ import annotations
 
-from trellis._lazy import lazy_attributes
+from trellis.utils.lazy import lazy_attributes
 
 # public name -> "module:attr" (or "module" for a submodule), imported on first access
 _LAZY: dict[str, str] = {
@@ -39,12 +44,21 @@ _LAZY: dict[str, str] = {
     "device_memory_usage": "trellis.utils.memory:device_memory_usage",
     "log_device_memory_usage": "trellis.utils.memory:log_device_memory_usage",
     "aggressive_empty_cache": "trellis.utils.memory:aggressive_empty_cache",
+    "rss_bytes": "trellis.utils.memory:rss_bytes",
+    "peak_rss_bytes": "trellis.utils.memory:peak_rss_bytes",
+    "physical_memory_bytes": "trellis.utils.memory:physical_memory_bytes",
+    "config_value": "trellis.utils.settings:config_value",
+    "setting": "trellis.utils.settings:setting",
+    "run_coroutine": "trellis.utils.coroutines:run_coroutine",
+    "lazy_attributes": "trellis.utils.lazy:lazy_attributes",
     "fs": "trellis.utils.fs",
     "tokenizer": "trellis.utils.tokenizer",
     "logging": "trellis.utils.logging",
     "timing": "trellis.utils.timing",
     "profiling": "trellis.utils.profiling",
     "memory": "trellis.utils.memory",
+    "settings": "trellis.utils.settings",
+    "coroutines": "trellis.utils.coroutines",
 }
 
 __all__ = list(_LAZY)

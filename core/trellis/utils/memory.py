@@ -41,9 +41,9 @@ def device_memory_usage() -> dict[str, Any]:
         }
     return {
         "device": "cpu",
-        "allocated_gib": _rss_bytes() / GIB,
-        "reserved_gib": max(_peak_rss_bytes(), _rss_bytes()) / GIB,
-        "total_gib": _physical_memory_bytes() / GIB,
+        "allocated_gib": rss_bytes() / GIB,
+        "reserved_gib": max(peak_rss_bytes(), rss_bytes()) / GIB,
+        "total_gib": physical_memory_bytes() / GIB,
     }
 
 
@@ -97,7 +97,7 @@ def aggressive_empty_cache(force_sync: bool = True, max_retries: int = 3) -> dic
     torch = _cuda_torch(initialized_only=True)  # no CUDA context yet: nothing cached to give back
 
     def reserved() -> int:
-        return torch.cuda.memory_reserved() if torch is not None else _rss_bytes()
+        return torch.cuda.memory_reserved() if torch is not None else rss_bytes()
 
     start = before = reserved()
     collected = passes = 0
@@ -135,11 +135,13 @@ def _cuda_torch(initialized_only: bool = False) -> Any | None:
     return torch
 
 
-def _rss_bytes() -> int:
-    return _proc_status_bytes("VmRSS") or _peak_rss_bytes()  # no /proc (macOS): the peak is all there is
+def rss_bytes() -> int:
+    """This process's resident set size, in bytes (its peak where there is no /proc)."""
+    return _proc_status_bytes("VmRSS") or peak_rss_bytes()  # no /proc (macOS): the peak is all there is
 
 
-def _peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size, in bytes."""
     peak = _proc_status_bytes("VmHWM")
     if peak:
         return peak
@@ -159,7 +161,8 @@ def _proc_status_bytes(field: str) -> int:
     return 0
 
 
-def _physical_memory_bytes() -> int:
+def physical_memory_bytes() -> int:
+    """The machine's physical memory, in bytes; 0 where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

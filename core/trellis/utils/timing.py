@@ -6,6 +6,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator
+from types import ModuleType
 
 
 @contextlib.contextmanager
@@ -48,7 +49,7 @@ def _profiler_ranges(name: str, color: str | None) -> contextlib.ExitStack:
     return stack
 
 
-def _nvtx_range(torch: object, name: str, color: str | None) -> contextlib.AbstractContextManager[object]:
+def _nvtx_range(torch: ModuleType, name: str, color: str | None) -> contextlib.AbstractContextManager[object]:
     try:
         import nvtx
     except ImportError:

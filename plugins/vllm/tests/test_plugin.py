@@ -6,6 +6,7 @@ These run in the default suite (where vLLM is not installed) as well as in ``nox
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import re
@@ -22,12 +23,13 @@ from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout import SamplingParams
 
 
-def test_registered_by_entry_point_and_listed():
-    from trellis.cli import _all_entries
+def test_registered_by_entry_point_and_listed(capsys):
+    from trellis.cli import main
     from trellis.registries import get_rollout_replica_class
 
     assert get_rollout_replica_class("vllm") is VLLMRolloutReplica
-    rows = {r["name"]: r for r in _all_entries("rollout_replicas")}
+    assert main(["plugins", "list", "--group", "rollout_replicas", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["vllm"]["provider"] == "trellis-vllm"
     assert rows["vllm"]["target"] == "trellis_vllm.replica:VLLMRolloutReplica"
 

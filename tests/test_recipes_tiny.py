@@ -1,10 +1,12 @@
-"""trellis.testing.tiny: the offline tokenizer and model that tests build."""
+"""trellis.recipes.tiny: the offline tokenizer and model tests build (re-exported by trellis.testing.tiny)."""
 
 from __future__ import annotations
 
 import torch
 
-from trellis.testing.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer
+import trellis.recipes.tiny
+import trellis.testing.tiny
+from trellis.recipes.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer
 
 
 def test_tokenizer_round_trips_any_text_and_has_chatml():
@@ -34,3 +36,17 @@ def test_model_shapes_and_determinism(tiny_model_path):
     assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
     again = build_tiny_model(build_tiny_tokenizer(), seed=0)
     assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_testing_tiny_re_exports_the_recipes_module():
+    """Plugins' tests import the builders from trellis.testing.tiny: the same objects, nothing more."""
+    names = [
+        "CHATML_TEMPLATE",
+        "SPECIAL_TOKENS",
+        "build_tiny_model",
+        "build_tiny_tokenizer",
+        "save_tiny_model",
+    ]
+    assert sorted(trellis.testing.tiny.__all__) == names
+    for name in names:
+        assert getattr(trellis.testing.tiny, name) is getattr(trellis.recipes.tiny, name)

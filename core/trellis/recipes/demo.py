@@ -1,0 +1,115 @@
+"""The demo: SmolLM2-135M-Instruct learns short arithmetic word problems with GRPO, on a CPU.
+
+    python -m trellis.recipes.demo [key=value ...]     # or: trellis train --preset demo
+
+The task (:mod:`trellis.recipes.arithmetic`) is one-step word problems, scored 1 when the last
+integer of the response is the answer, else 0. Responses are capped at 16 tokens, so the model must
+answer briefly: out of the box SmolLM2-135M-Instruct (greedy) restates the problem at length and is
+cut off before its answer, or gets the sum wrong, on over 95% of the held-out problems. GRPO teaches
+it to write one short equation and stop ("Zoe has 3 + 2 = 5"), and to get more of them right.
+
+The trainer's greedy validations before the first step and after the last measure the held-out
+accuracy; :func:`main` prints both, the gain, the wall time and the path of the reward curve.
+
+Measured on 2 cores (x86-64 with AMX, torch 2.13): 40 steps of about 13 s (generation 4 s, update
+9 s), 9 minutes in all with model loading and both validations; held-out accuracy went from 3.5%
+to 54.0% (``trainer.seed=1``, the default) and to 57.5% (``trainer.seed=2``). Peak memory is about
+13 GB. With another busy process on the same two cores, two torch threads slow down several-fold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from trellis.recipes.arithmetic import make_problems
+from trellis.recipes.presets import preset_overrides
+
+
+def heldout_accuracy(validation: Sequence[tuple[int, dict[str, float]]]) -> tuple[float, float]:
+    """``(before, after)``: held-out accuracy of the first and the last validation, in [0, 1].
+
+    Validations are greedy with one response per problem, and the reward is 0 or 1, so the mean
+    reward is the fraction of problems answered right (``val/pass@1``).
+
+    Raises:
+        ValueError: fewer than two validations (the run must validate before and after training).
+    """
+    if len(validation) < 2:
+        raise ValueError(
+            f"Need validations before and after training, got {len(validation)}; keep "
+            "trainer.val_before_train true and trainer.test_freq > 0."
+        )
+    return validation[0][1]["val/pass@1"], validation[-1][1]["val/pass@1"]
+
+
+def run(overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Train the ``demo`` preset (with ``overrides`` on top); returns a summary.
+
+    Returns:
+        ``{"before", "after"}`` held-out accuracy (fractions), ``"heldout"`` (number of
+        problems), ``"steps"``, ``"seconds"`` (wall time, model preparation included),
+        ``"reward_curve"`` and ``"run_dir"`` (paths), and ``"result"`` (the ``TrainResult``).
+    """
+    import trellis
+    from trellis.config import load_config
+    from trellis.data.dataset import read_rows
+
+    start = time.perf_counter()
+    config = load_config(None, [*preset_overrides("demo"), *overrides])
+    result = trellis.train(config)
+    seconds = time.perf_counter() - start
+    before, after = heldout_accuracy(result.validation)
+    return {
+        "before": before,
+        "after": after,
+        "heldout": sum(len(read_rows(path)) for path in config.data.val_files),
+        "steps": result.steps,
+        "seconds": seconds,
+        "reward_curve": result.reward_curve,
+        "run_dir": result.run_dir,
+        "result": result,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The lines :func:`main` prints: accuracy before and after, gain, wall time, reward curve."""
+    before, after = 100 * summary["before"], 100 * summary["after"]
+    count = f" ({summary['heldout']} problems)" if summary.get("heldout") else ""
+    minutes, seconds = divmod(round(summary["seconds"]), 60)
+    return "\n".join(
+        [
+            f"Held-out accuracy{count}, greedy:",
+            f"  before training: {before:5.1f}%",
+            f"  after {summary['steps']} GRPO steps: {after:5.1f}%",
+            f"  gain: {after - before:+.1f} points",
+            f"Wall time: {minutes} min {seconds:02d} s",
+            f"Reward curve: {summary['reward_curve'] or 'none'}",
+            f"Run directory: {summary['run_dir']}",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trellis.recipes.demo [key=value ...]``: run the demo and print its summary."""
+    parser = argparse.ArgumentParser(
+        prog="python -m trellis.recipes.demo",
+        description="GRPO on SmolLM2-135M-Instruct with generated arithmetic word problems (CPU, ~10 min).",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on the preset")
+    args = parser.parse_args(argv)
+    print(
+        "Trellis demo: SmolLM2-135M-Instruct learns arithmetic word problems with GRPO.\n"
+        f"Example problem: {make_problems(1, 0)[0][0].question}",
+        flush=True,
+    )
+    summary = run(args.overrides)
+    print(format_summary(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
