@@ -100,19 +100,22 @@ def test_vanilla_rollout_is_weights_multiply_the_per_token_loss():
     assert weights.grad is None  # the weights are constants
 
 
-def test_global_batch_info_from_the_config_sets_the_normalisation():
+def test_global_batch_info_is_an_explicit_argument_that_sets_the_normalisation():
     old, new = _log_probs(VANILLA_RATIO)
     info = {"dp_size": 2, "batch_num_tokens": 20, "global_batch_size": 8}
-    loss, _ = pl.compute_policy_loss_vanilla(old, new, VANILLA_ADV, MASK, config={"global_batch_info": info})
+    loss, _ = pl.compute_policy_loss_vanilla(old, new, VANILLA_ADV, MASK, global_batch_info=info)
     _approx(loss, 2.3 / 20 * 2)
     loss, _ = pl.compute_policy_loss_vanilla(
-        old, new, VANILLA_ADV, MASK, "seq-mean-token-sum", config={"global_batch_info": info}
+        old, new, VANILLA_ADV, MASK, "seq-mean-token-sum", global_batch_info=info
     )
     _approx(loss, (-1.5 + 3.8) / 8 * 2)  # sequence sums (−1.1 − 1.2 + 0.8) and (3 + 0.8)
     with pytest.raises(ValueError, match="pass batch_num_tokens="):
-        pl.compute_policy_loss_vanilla(
-            old, new, VANILLA_ADV, MASK, config={"global_batch_info": {"dp_size": 2}}
-        )
+        pl.compute_policy_loss_vanilla(old, new, VANILLA_ADV, MASK, global_batch_info={"dp_size": 2})
+    # nothing is dug out of the config any more: counts there are not counts
+    loss, _ = pl.compute_policy_loss_vanilla(old, new, VANILLA_ADV, MASK, config={"global_batch_info": info})
+    _approx(loss, 2.3 / 5)
+    with pytest.raises(TypeError, match="global_batch_info must be a dict with dp_size"):
+        pl.compute_policy_loss_vanilla(old, new, VANILLA_ADV, MASK, global_batch_info=[2, 20, 8])
 
 
 # ---------------------------------------------------------------- gspo
@@ -370,8 +373,8 @@ def test_entropy_loss_hand_case():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     _approx(pl.compute_entropy_loss(entropy, mask), 7 / 3)  # (1 + 2 + 4) / 3
     _approx(pl.compute_entropy_loss(entropy, mask, "seq-mean-token-mean"), 2.75)  # (1.5 + 4) / 2
-    config = {"global_batch_info": {"dp_size": 2, "batch_num_tokens": 7}}
-    _approx(pl.compute_entropy_loss(entropy, mask, config=config), 2.0)  # 7 / 7 × 2
+    info = {"dp_size": 2, "batch_num_tokens": 7}
+    _approx(pl.compute_entropy_loss(entropy, mask, global_batch_info=info), 2.0)  # 7 / 7 × 2
 
 
 def test_a_config_without_get_is_a_type_error():

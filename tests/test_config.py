@@ -30,6 +30,7 @@ from trellis.config import (
     to_dict,
     to_yaml,
 )
+from trellis.config.needs import resolve_needs
 from trellis.errors import ConfigError, TrellisError
 
 
@@ -69,8 +70,10 @@ def test_null_defaults_are_derived_when_the_config_is_built():
     assert config.rollout.max_tokens == config.data.max_response_length == 512
     assert config.actor.clip_ratio_low == config.actor.clip_ratio_high == 0.2
     assert config.data.seed == config.rollout.seed == config.trainer.seed == 1
-    assert config.ref.enable is False  # no KL term
-    assert config.critic.enable is False  # grpo needs no values
+    # no KL term: whether a reference or a critic runs follows what the estimator and the loss declare
+    assert config.ref.enable is None and config.critic.enable is None
+    resolve_needs(config)
+    assert config.ref.enable is False and config.critic.enable is False  # grpo and vanilla need neither
     assert config.critic.ppo_mini_batch_size == config.actor.ppo_mini_batch_size == 8
     assert config.critic.ppo_epochs == 1
     assert config.trainer.run_dir == "runs/trellis/default"
@@ -89,7 +92,8 @@ def test_null_defaults_are_derived_when_the_config_is_built():
     )
     assert config.rollout.max_tokens == 256
     assert (config.actor.clip_ratio_low, config.actor.clip_ratio_high) == (0.3, 0.28)
-    assert config.ref.enable is True and config.critic.enable is True
+    assert config.ref.enable is True and config.critic.enable is None  # the KL loss needs the reference
+    assert resolve_needs(config).estimator == {"values"} and config.critic.enable is True  # gae: values
     assert config.model.tokenizer_path == config.critic.model_path == "org/model"
     assert config.data.seed == config.rollout.seed == 7
     assert config.trainer.run_dir == "runs/trellis/exp1"
@@ -128,10 +132,8 @@ def test_default_dict_matches_a_built_config_except_derived_fields():
         "data.seed",
         "actor.clip_ratio_low",
         "actor.clip_ratio_high",
-        "critic.enable",
         "critic.ppo_mini_batch_size",
         "critic.ppo_epochs",
-        "ref.enable",
         "rollout.max_tokens",
         "rollout.seed",
         "trainer.run_dir",
@@ -411,7 +413,7 @@ def test_out_of_range_values_are_rejected(override, expected):
             "form whole mini-batches; got 5.",
         ),
         (
-            ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"],
+            ["critic.enable=true", "critic.ppo_mini_batch_size=3"],
             "Config key 'critic.ppo_mini_batch_size' must divide data.train_batch_size (32)",
         ),
         (
@@ -441,11 +443,6 @@ def test_out_of_range_values_are_rejected(override, expected):
             ["algorithm.use_kl_in_reward=true", "ref.enable=false"],
             "Config key 'ref.enable' must be true (or null) when algorithm.use_kl_in_reward is true",
         ),
-        (
-            ["algorithm.adv_estimator=gae", "critic.enable=false"],
-            "Config key 'critic.enable' must be true (or null) with algorithm.adv_estimator 'gae'",
-        ),
-        (["rollout.n=1"], "Config key 'rollout.n' must be >= 2 with algorithm.adv_estimator 'grpo'"),
         (
             ["algorithm.rollout_correction.rollout_is=sequence"],
             "Config key 'rollout.calculate_log_probs' must be true when "
@@ -520,6 +517,43 @@ def test_out_of_range_values_are_rejected(override, expected):
 )
 def test_cross_field_rules(overrides, expected):
     assert error_of(overrides).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["algorithm.adv_estimator=gae", "critic.enable=false"],
+            "Config key 'critic.enable' must be true (or null) with algorithm.adv_estimator 'gae', which "
+            "needs values; got False (bool).",
+        ),
+        (
+            ["rollout.n=1"],
+            "Config key 'rollout.n' must be >= 2 with algorithm.adv_estimator 'grpo', which compares the "
+            "responses to one prompt; got 1.",
+        ),
+        (
+            ["algorithm.adv_estimator=rloo", "rollout.n=1"],
+            "Config key 'rollout.n' must be >= 2 with algorithm.adv_estimator 'rloo'",
+        ),
+        (
+            ["algorithm.adv_estimator=gae", "critic.enable=null", "critic.ppo_mini_batch_size=3"],
+            "Config key 'critic.ppo_mini_batch_size' must divide data.train_batch_size (32)",
+        ),
+    ],
+)
+def test_what_the_estimator_declares_it_needs_is_checked_when_the_run_is_built(overrides, expected):
+    config = load_config(None, overrides)  # nothing is imported to read declarations yet
+    with pytest.raises(ConfigValueError) as info:
+        resolve_needs(config)
+    assert str(info.value).startswith(expected)
+
+
+def test_reinforce_plus_plus_needs_no_groups_and_remax_needs_its_baselines():
+    config = load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus", "rollout.n=1"])
+    assert resolve_needs(config).estimator == frozenset()
+    config = load_config(None, ["algorithm.adv_estimator=remax", "rollout.n=1"])
+    assert resolve_needs(config).estimator == {"reward_baselines"} and not config.critic.enable
 
 
 def test_cross_field_rules_accept_consistent_values():
@@ -669,8 +703,8 @@ def test_sections_check_their_fields_when_built_in_python():
     ):
         TrellisConfig(actor={"clip_ratio": 0.3})
     # A whole config built in Python gets the same cross-section checks.
-    with pytest.raises(ConfigValueError, match=r"^Config key 'rollout.n' must be >= 2 with"):
-        TrellisConfig(rollout=RolloutConfig(n=1))
+    with pytest.raises(ConfigValueError, match=r"^Config key 'rollout.max_tokens' must be <= data"):
+        TrellisConfig(rollout=RolloutConfig(max_tokens=1024))
 
 
 def test_configs_are_plain_mutable_dataclasses():
@@ -842,3 +876,21 @@ def test_config_does_not_import_torch(python):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "[]\n"
+
+
+def test_schema_default_is_the_declared_default():
+    from trellis.config import CriticConfig, ModelConfig, schema_default
+
+    assert schema_default(ModelConfig, "use_remove_padding") is True
+    assert schema_default(TrellisConfig, "rollout.agent.tool_parser") == "hermes"
+    assert schema_default(CriticConfig, "optim.lr") == 1e-5  # a section's own override
+    assert schema_default(TrellisConfig, "rollout.max_tokens") is None  # declared, not derived
+    betas = schema_default(OptimConfig, "betas")
+    betas.append(0.5)  # a copy: the next caller gets the declared list
+    assert schema_default(OptimConfig, "betas") == [0.9, 0.999]
+    with pytest.raises(
+        KeyError, match=r"ModelConfig has no key 'nope'; keys at 'nope': path, tokenizer_path"
+    ):
+        schema_default(ModelConfig, "nope")
+    with pytest.raises(KeyError, match=r"keys at 'x': \(none: a value, not a section\)"):
+        schema_default(OptimConfig, "lr.x")

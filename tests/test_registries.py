@@ -184,7 +184,7 @@ def test_plugin_component_that_does_not_fit_its_protocol():
         "one_argument(token_level_rewards) cannot be called that way"
     )
     assert message.endswith(
-        "Expected fn(token_level_rewards, response_mask, *, index=None, config=None, **extra) "
+        "Expected fn(token_level_rewards, response_mask, *, index=None, config=None, **needs) "
         "-> (advantages, returns)."
     )
     with pytest.raises(ProtocolMismatchError) as info:
@@ -215,6 +215,7 @@ def test_accessor_decorators_register_in_process():
         loss_agg_mode="token-mean",
         config=None,
         rollout_is_weights=None,
+        global_batch_info=None,
     ):
         """-A * ratio, token mean."""
         ratio = torch.exp(log_prob - old_log_prob)
@@ -236,6 +237,42 @@ def test_accessor_decorators_register_in_process():
     finally:
         registries.policy_losses.unregister("test_vanilla")
         registries.advantage_estimators.unregister("test_constant")
+
+
+def test_components_declare_what_they_need():
+    @registries.register_adv_est("test_needs_values", requires=("values", "groups"))
+    def with_values(token_level_rewards, response_mask, *, index=None, config=None, values=None):
+        return values, values
+
+    try:
+        fn = get_adv_estimator_fn("test_needs_values")
+        assert fn is with_values and registries.needs_of(fn) == {"values", "groups"}
+    finally:
+        registries.advantage_estimators.unregister("test_needs_values")
+
+    @registries.requires("ref_log_prob")  # the entry-point form: an attribute the function carries
+    def loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+             rollout_is_weights=None, global_batch_info=None, ref_log_prob=None):  # fmt: skip
+        return log_prob.sum(), {}
+
+    assert loss.requires == frozenset({"ref_log_prob"}) and registries.needs_of(loss) == {"ref_log_prob"}
+    assert registries.needs_of(lambda: None) == frozenset()  # declares nothing
+    assert registries.needs_of(get_adv_estimator_fn("gae")) == {"values"}
+    assert registries.needs_of(get_adv_estimator_fn("remax")) == {"reward_baselines"}
+    with pytest.raises(
+        ValueError, match=r"names the unknown need 'value'; needs: values, .* Did you mean 'values'\?"
+    ):
+        registries.requires("value")
+    with pytest.raises(ValueError, match=r"names the unknown need 'critic'"):
+        registries.register_adv_est("test_bad_need", requires=("critic",))
+    assert "test_bad_need" not in registries.advantage_estimators
+
+    def odd():
+        pass
+
+    odd.requires = "values"  # a string, not a tuple of names
+    with pytest.raises(ValueError, match=r"declares requires='values'; it must be a tuple of names"):
+        registries.needs_of(odd, "advantage estimator")
 
 
 def test_rollout_replica_accessor_resolves_references(tmp_path, monkeypatch):

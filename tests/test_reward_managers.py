@@ -18,8 +18,8 @@ from test_reward_workers import (
 
 from trellis import registries
 from trellis.data.protocol import DataProto
+from trellis.recipes.tiny import build_tiny_tokenizer
 from trellis.reward.managers import AsyncRewardManager, BatchRewardManager, NaiveRewardManager
-from trellis.testing.tiny import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +134,53 @@ def test_naive_runs_async_scorers_with_a_timeout(tokenizer):
     )
     assert out["reward_tensor"][0, last[0]] == 1.0
     assert out["metrics"] == {"reward/errors": 1.0, "reward/timeouts": 1.0}
+
+
+def _hanging_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Hangs on 'sleep', even through `except Exception` (a plain scorer that would hang the run)."""
+    if solution_str == "sleep":
+        try:
+            time.sleep(30)
+        except Exception:
+            time.sleep(30)
+    return 1.0
+
+
+@pytest.mark.parametrize("where", ["main thread", "worker thread"])
+def test_naive_enforces_the_timeout_on_plain_scorers(tokenizer, where):
+    import threading
+
+    data, last = make_data(tokenizer, ["ok", "sleep", "ok"], ["ok", "x", "ok"])
+    manager = NaiveRewardManager(tokenizer, compute_score=_hanging_score, timeout_seconds=0.3)
+    box = {}
+
+    def score():
+        start = time.perf_counter()
+        box["out"] = manager(data, return_dict=True)
+        box["seconds"] = time.perf_counter() - start
+
+    if where == "main thread":
+        score()
+    else:  # e.g. a Ray actor's thread: the call is abandoned in a thread of its own
+        thread = threading.Thread(target=score)
+        thread.start()
+        thread.join(10)
+    out = box["out"]
+    assert out["metrics"] == {"reward/errors": 1.0, "reward/timeouts": 1.0}
+    assert out["reward_tensor"][0, last[0]] == 1.0 and out["reward_tensor"][2, last[2]] == 1.0
+    assert out["reward_tensor"][1].abs().sum() == 0.0  # the overrun scores 0
+    assert box["seconds"] < 3.0  # one 0.3 s limit, not the 30 s sleep
+
+
+def test_batch_manager_enforces_the_timeout_on_the_whole_call(tokenizer):
+    def slow_batch(data_sources, solution_strs, ground_truths, extra_infos):
+        time.sleep(30)
+
+    data, _ = make_data(tokenizer, ["a", "b"], ["a", "b"])
+    start = time.perf_counter()
+    out = BatchRewardManager(tokenizer, compute_score=slow_batch, timeout_seconds=0.3)(data, return_dict=True)
+    assert time.perf_counter() - start < 3.0
+    assert out["metrics"] == {"reward/errors": 2.0, "reward/timeouts": 2.0}
 
 
 def test_batch_manager_calls_once_with_lists(tokenizer):

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from trellis.config.schema import RolloutConfig
+from trellis.config.schema import RolloutConfig, ValidationSamplingConfig
 from trellis.data.protocol import DataProto
 from trellis.errors import UnknownComponentError
+from trellis.recipes.tiny import build_tiny_tokenizer
 from trellis.registries import agent_loops
 from trellis.rollout import RolloutReplica, SamplingParams, TokenOutput
 from trellis.rollout.agent_loop import (
@@ -30,7 +31,6 @@ from trellis.rollout.agent_loop import (
 from trellis.rollout.chat import ChatTemplate
 from trellis.rollout.single_turn import SingleTurnAgentLoop
 from trellis.rollout.tool_agent import ToolAgentLoop
-from trellis.testing.tiny import build_tiny_tokenizer
 from trellis.tools.base import BaseTool, ToolConfigError, load_tools
 from trellis.tools.schema import ToolResponse
 
@@ -420,3 +420,87 @@ def test_empty_batch_is_rejected(tok):
     manager = AgentLoopManager(config(), [ScriptedReplica(tok, ["x"])], tok, tools={})
     with pytest.raises(ValueError, match="empty batch"):
         manager.generate_sequences(DataProto.from_dict(non_tensors={"raw_prompt": np.empty(0, dtype=object)}))
+
+
+def test_validation_sampling_follows_val_kwargs():
+    cfg = RolloutConfig(temperature=0.7, top_p=0.9, top_k=20)
+    cfg.val_kwargs = ValidationSamplingConfig(temperature=0.6, top_p=0.8, top_k=5, do_sample=True)
+    val = sampling_params_for(cfg, 64, validate=True)
+    assert (val.temperature, val.top_p, val.top_k) == (0.6, 0.8, 5)
+    cfg.val_kwargs.do_sample = False
+    assert sampling_params_for(cfg, 64, validate=True).temperature == 0.0  # greedy
+    assert sampling_params_for(cfg, 64).temperature == 0.7  # training sampling is its own
+
+
+def test_default_agent_loop_runs_samples_that_name_none(tok):
+    replica = ScriptedReplica(tok, [call(expression="1 + 1"), "ok"])
+    out, _ = generate(
+        config(default_agent_loop="tool_agent"),
+        [replica],
+        tok,
+        batch(2),
+        load_tools([{"name": "calculator"}]),
+    )
+    assert out.non_tensor_batch["__num_turns__"].tolist() == [4, 4]  # user, model, tool, model
+
+
+def test_tool_parser_is_the_configured_one(tok):
+    replica = ScriptedReplica(tok, [call(expression="1 + 1"), "ok"])
+    with pytest.raises(UnknownComponentError, match=r"'hermez'.*hermes"):
+        generate(
+            config(tool_parser="hermez"),
+            [replica],
+            tok,
+            batch(1, "tool_agent"),
+            load_tools([{"name": "calculator"}]),
+        )
+
+
+@pytest.mark.parametrize(
+    ("side", "shown"),
+    [("left", "...(truncated)...yyyyyyyyyy"), ("right", "xxxxxxxxxx...(truncated)...")],
+)
+def test_tool_responses_are_truncated_on_the_configured_side(tok, side, shown):
+    replica = ScriptedReplica(tok, [call("flaky", mode="long"), "ok"])
+    cfg = config(max_tool_response_length=10, tool_response_truncate_side=side)
+    data = batch(1, "tool_agent", extra_info=[{"tools_kwargs": {"flaky": {"create_kwargs": {"secret": 7}}}}])
+    out, _ = generate(cfg, [replica], tok, data, {"flaky": Flaky()})
+    assert f"<tool_response>\n{shown}\n</tool_response>" in tok.decode(out.batch["responses"][0])
+
+
+class Rewarding(Flaky):
+    """Flaky whose trajectory reward is its ``final`` create argument (``"raise"`` makes it fail)."""
+
+    async def calc_reward(self, instance_id, **kwargs):
+        final = self.state(instance_id).get("final", 0.0)
+        if final == "raise":
+            raise RuntimeError("no reward today")
+        return final
+
+
+@pytest.mark.parametrize(("final", "expected", "errors"), [(2.0, 3.5, 0.0), ("raise", 1.5, 1.0)])
+def test_tool_step_rewards_and_calc_reward_add_up_to_the_tool_reward(tok, final, expected, errors):
+    # two calls: echo (step reward 1.0) and long (0.5); then calc_reward once per instance at the end
+    replica = ScriptedReplica(tok, [call("flaky", mode="echo") + call("flaky", mode="long"), "ok"])
+    extra = [{"tools_kwargs": {"flaky": {"create_kwargs": {"secret": 7, "final": final}}}}]
+    plain = [{"tools_kwargs": {}}]
+    data = batch(2, "tool_agent", extra_info=extra + plain)
+    data.non_tensor_batch["raw_prompt"][1] = [{"role": "user", "content": "no tools"}]
+    out, _ = generate(config(max_parallel_calls=2), [replica], tok, data, {"flaky": Rewarding()})
+    assert out.batch["tool_rewards"].dtype == torch.float32
+    assert out.batch["tool_rewards"][0].item() == expected  # 1.0 + 0.5 + calc_reward
+    metrics = out.meta_info["metrics"]
+    assert metrics.get("tool/reward_errors", 0.0) == errors / 2  # a mean over the 2 samples
+
+
+def test_single_turn_loops_report_zero_tool_reward(tok):
+    out, _ = generate(config(), [ScriptedReplica(tok, ["hi"])], tok, batch(3))
+    assert out.batch["tool_rewards"].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_greedy_meta_info_decodes_greedily_whatever_the_config_says(tok):
+    replica = ScriptedReplica(tok, ["hi"])
+    data = batch(2)
+    data.meta_info["greedy"] = True
+    generate(RolloutConfig(temperature=0.9, top_p=0.8, top_k=5, max_tokens=8), [replica], tok, data)
+    assert {(r[2].temperature, r[2].top_p, r[2].top_k) for r in replica.requests} == {(0.0, 1.0, -1)}

@@ -14,7 +14,7 @@ import trellis
 from trellis.checkpoint.training import CheckpointManager
 from trellis.cli import main
 from trellis.hooks import get_plugin_manager, hookimpl
-from trellis.trainer.presets import digits_score, preset_overrides
+from trellis.recipes.presets import digits_score, preset_overrides
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -66,12 +66,17 @@ def test_tiny_preset_learns_and_reports_everything(tmp_path):
         "reward/mean", "reward/max", "reward/min", "score/mean",
         "response_length/mean", "response_length/max", "response_length/clip_ratio",
         "advantages/mean", "returns/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl",
-        "actor/entropy", "actor/grad_norm", "actor/lr", "timing/generate", "timing/reward",
-        "timing/advantage", "timing/update_actor", "timing/weight_sync",
+        "actor/entropy", "actor/grad_norm", "actor/lr", "timing/generate", "timing/score",
+        "timing/advantage", "timing/update_actor",
         "timing/step", "perf/throughput", "perf/max_memory_allocated_gib", "agent/num_turns/mean",
     ):  # fmt: skip
         assert key in metrics, key
     assert metrics["actor/lr"] == pytest.approx(2e-3)
+    # the hybrid replica serves the training module: no weight sync, nothing to put to sleep
+    assert "timing/weight_sync" not in metrics and "timing/rollout_sleep" not in metrics
+    # each stage is timed where it runs, and the stages account for the step
+    stages = [v for k, v in metrics.items() if k.startswith("timing/") and k != "timing/step"]
+    assert 0.8 * metrics["timing/step"] <= sum(stages) <= metrics["timing/step"]
     assert metrics["response_length/max"] <= 16
     # greedy validation goes from no digits at all to only digits
     (step0, first), _, (step12, last) = result.validation
@@ -170,6 +175,9 @@ def test_cli_print_config_and_train(tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--print-config", "trainer.total_training_steps=3"]) == 0
     printed = capsys.readouterr().out
     assert "total_training_steps: 3" in printed and "digits_score" in printed
+    assert "\n  enable: false\n" in printed.split("\ncritic:\n")[1]  # resolved from grpo's declaration
+    assert main(["train", "--preset", "tiny", "--print-config", "algorithm.adv_estimator=gae"]) == 0
+    assert "\n  enable: true\n" in capsys.readouterr().out.split("\ncritic:\n")[1]  # gae needs values
     args = [
         "train",
         "--preset",
@@ -299,7 +307,9 @@ def test_check_grpo_run_kit_passes_on_the_hf_replica(tmp_path):
     from trellis.testing.rollout import check_grpo_run
 
     result = check_grpo_run("hf", str(tmp_path / "run"), steps=2, weight_sync=False)
-    assert result.steps == 2 and all(m["timing/weight_sync"] == 0 for m in result.history)  # shared module
+    # the replica serves the training module itself: no weight sync, no sleep
+    assert result.steps == 2 and not any("timing/weight_sync" in m for m in result.history)
+    assert not any("timing/rollout_sleep" in m for m in result.history)
     assert all(m["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-4) for m in result.history)
 
 
@@ -346,10 +356,10 @@ def test_replicas_with_their_own_weights_sleep_between_rollouts(tmp_path):
         sync = ["wake_up", "update_weights"]
         assert collapsed == [
             "init", *sync,
-            "generate", "sleep",  # validation before training
-            "wake_up", "generate", "sleep", *sync,  # step 1: woken for its rollout, synced after the update
+            "generate",  # validation before training, then step 1's rollout (no sleep between them)
+            "sleep", *sync,  # step 1: asleep through the update, woken by the weight sync
             "generate", "sleep", *sync,  # step 2
-            "generate", "sleep",  # validation after step 2
+            "generate",  # validation after step 2
             "shutdown",
         ]  # fmt: skip
         assert result.steps == 2
@@ -358,6 +368,265 @@ def test_replicas_with_their_own_weights_sleep_between_rollouts(tmp_path):
             "trainer.test_freq=-1", "trainer.val_before_train=false", "rollout.free_cache_engine=false",
             name="no_sleep",
         )  # fmt: skip
-        assert off.steps == 1 and calls.count("sleep") == 4  # the second run never slept
+        assert off.steps == 1 and calls.count("sleep") == 2  # the second run never slept
     finally:
         rollout_replicas.unregister("recording_hf")
+
+
+# ---------------------------------------------------------------- every built-in trains
+
+
+def _core_names(group):
+    from importlib.metadata import entry_points
+
+    return {ep.name for ep in entry_points(group=f"trellis.{group}") if ep.value.startswith("trellis.")}
+
+
+ESTIMATORS = sorted(_core_names("advantage_estimators"))
+POLICY_LOSSES = sorted(_core_names("policy_losses"))
+LOSS_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.fixture(scope="module")
+def tiny_weights():
+    """The tiny preset's initial policy weights (what two steps of training must change)."""
+    from transformers import AutoModelForCausalLM
+
+    path = next(o.split("=", 1)[1] for o in preset_overrides("tiny") if o.startswith("model.path="))
+    return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
+
+
+def _train_two_steps_with_the_cli(tmp_path, *overrides):
+    run_dir = tmp_path / "run"
+    argv = [
+        "train",
+        "--preset",
+        "tiny",
+        *QUICK,
+        f"trainer.run_dir={run_dir}",
+        "trainer.total_training_steps=2",
+    ]
+    argv += ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=2", *overrides]
+    assert main(argv) == 0
+    with open(run_dir / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    from trellis.checkpoint.training import load_rank_file
+
+    trained = load_rank_file(run_dir / "checkpoints" / "global_step_2", 0)["actor"]["model"]
+    return rows, trained
+
+
+def _assert_trained(rows, trained, initial, *loss_keys):
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        for key in ("actor/pg_loss", "actor/grad_norm", *loss_keys):
+            assert isinstance(row[key], float) and torch.isfinite(torch.tensor(row[key])), (key, row[key])
+    moved = max(float((trained[name].float() - weight).abs().max()) for name, weight in initial.items())
+    assert moved > 1e-6  # two optimizer steps changed the policy
+
+
+def test_the_builtins_are_the_registered_names():
+    assert ESTIMATORS == [
+        "gae", "gpg", "grpo", "grpo_passk", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+        "remax", "rloo",
+    ]  # fmt: skip
+    assert POLICY_LOSSES == ["cispo", "clip_cov", "geo_mean", "gpg", "gspo", "kl_cov", "sapo", "vanilla"]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_every_builtin_estimator_trains(tmp_path, tiny_weights, estimator):
+    rows, trained = _train_two_steps_with_the_cli(tmp_path, f"algorithm.adv_estimator={estimator}")
+    critic_keys = ("critic/vf_loss",) if estimator == "gae" else ()  # gae declares values: a critic
+    _assert_trained(rows, trained, tiny_weights, *critic_keys)
+    if estimator == "remax":  # the greedy baseline was generated and scored every step
+        assert all(row["timing/generate_baseline"] > 0 for row in rows)
+
+
+@pytest.mark.parametrize("loss", POLICY_LOSSES)
+def test_every_builtin_policy_loss_trains(tmp_path, tiny_weights, loss):
+    rows, trained = _train_two_steps_with_the_cli(tmp_path, f"actor.policy_loss={loss}")
+    _assert_trained(rows, trained, tiny_weights)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_every_loss_agg_mode_trains(tmp_path, tiny_weights, mode):
+    rows, trained = _train_two_steps_with_the_cli(
+        tmp_path, f"actor.loss_agg_mode={mode}", "actor.use_kl_loss=true", "actor.entropy_coeff=0.01"
+    )
+    _assert_trained(rows, trained, tiny_weights, "actor/kl_loss")
+
+
+# ---------------------------------------------------------------- the step, stage by stage
+
+STAGES = (
+    "generate_sequences", "sleep_rollout", "compute_scores", "compute_log_prob", "compute_ref_log_prob",
+    "compute_values", "update_critic", "update_actor", "sync_rollout_weights",
+)  # fmt: skip
+
+
+class _Recorder:
+    """A worker group whose stage calls are written to ``calls`` as ``role.method``."""
+
+    def __init__(self, group, role, calls):
+        self._group, self._role, self._calls = group, role, calls
+
+    def __getattr__(self, name):
+        attr = getattr(self._group, name)
+        if name not in STAGES:
+            return attr
+
+        def record(*args, **kwargs):
+            self._calls.append(f"{self._role}.{name}")
+            return attr(*args, **kwargs)
+
+        return record
+
+
+def _recording_trainer(calls):
+    from trellis.trainer import Trainer
+
+    class Recording(Trainer):
+        def _build_workers(self):
+            super()._build_workers()
+            self.actor_wg = _Recorder(self.actor_wg, "actor", calls)
+            if self.critic_wg is not None:
+                self.critic_wg = _Recorder(self.critic_wg, "critic", calls)
+
+    return Recording
+
+
+def test_the_step_is_its_stages_in_order_each_one_visible(tmp_path):
+    from trellis.config import load_config
+
+    calls = []
+    overrides = [
+        *preset_overrides("tiny"),
+        *QUICK,
+        f"trainer.run_dir={tmp_path}",
+        "trainer.total_training_steps=1",
+    ]
+    overrides += ["trainer.val_before_train=false", "trainer.test_freq=-1", "rollout.mode=colocated"]
+    overrides += ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "actor.ppo_epochs=2"]
+    result = _recording_trainer(calls)(load_config(None, overrides)).fit()
+    step = calls[calls.index("actor.generate_sequences") :]
+    assert step == [
+        "actor.generate_sequences",  # generate (agent loops on the replicas)
+        "actor.sleep_rollout",  # the replica, with its own weights, gives its memory to training
+        "actor.compute_scores",  # score (reward.placement: workers)
+        "actor.compute_log_prob", "actor.compute_ref_log_prob", "critic.compute_values",
+        "critic.update_critic", "actor.update_actor",
+        "actor.sync_rollout_weights",  # weight sync: its own stage, after the update
+    ]  # fmt: skip
+    metrics = result.history[0]
+    for stage in ("generate", "rollout_sleep", "score", "old_log_prob", "ref", "values", "advantage",
+                  "update_critic", "update_actor", "weight_sync"):  # fmt: skip
+        assert metrics[f"timing/{stage}"] > 0, stage
+
+
+@pytest.mark.parametrize("placement", ["workers", "driver"])
+def test_tool_rewards_enter_the_score_where_the_placement_says(tmp_path, placement):
+    from trellis.registries import agent_loops
+    from trellis.rollout.single_turn import SingleTurnAgentLoop
+
+    class ToolRewarded(SingleTurnAgentLoop):
+        async def run(self, sampling_params, **sample):
+            out = await super().run(sampling_params, **sample)
+            out.tool_reward = 1.0  # as if the sample's tools had rewarded it
+            return out
+
+    calls = []
+    agent_loops.register("test_tool_rewarded", ToolRewarded)
+    try:
+        from trellis.config import load_config
+
+        overrides = [*preset_overrides("tiny"), *QUICK, f"trainer.run_dir={tmp_path}"]
+        overrides += [
+            "trainer.total_training_steps=1",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+        ]
+        overrides += ["rollout.agent.default_agent_loop=test_tool_rewarded", "reward.tool_reward_weight=0.5"]
+        overrides += [f"reward.placement={placement}", "reward.function=tests_zero_reward"]
+        from trellis.registries import reward_functions
+
+        reward_functions.register("tests_zero_reward", lambda **_: 0.0, replace=True)
+        trainer = _recording_trainer(calls)(load_config(None, overrides))
+        result = trainer.fit()
+    finally:
+        agent_loops.unregister("test_tool_rewarded")
+        reward_functions.unregister("tests_zero_reward")
+    metrics = result.history[0]
+    assert metrics["reward/tool"] == 0.5 and metrics["score/mean"] == 0.5  # 0 + 0.5 × 1.0, every sample
+    assert metrics["reward/errors"] == 0.0
+    assert ("actor.compute_scores" in calls) == (placement == "workers")
+    assert (trainer.reward_manager is not None) == (placement == "driver")
+
+
+def test_a_third_party_estimator_that_declares_values_gets_a_critic_and_its_values(tmp_path):
+    from trellis.registries import advantage_estimators, register_adv_est
+
+    seen = []
+
+    @register_adv_est("tests_value_baseline", requires=("values",))
+    def value_baseline(token_level_rewards, response_mask, *, index=None, config=None, **extra):
+        """A = G − V: Monte-Carlo return minus the critic's value."""
+        seen.append(sorted(extra))
+        values = extra["values"]
+        assert values.shape == token_level_rewards.shape
+        returns = (token_level_rewards * response_mask).flip(-1).cumsum(-1).flip(-1) * response_mask
+        return (returns - values) * response_mask, returns
+
+    try:
+        result = run(
+            tmp_path, *QUICK, "algorithm.adv_estimator=tests_value_baseline",
+            "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        )  # fmt: skip
+    finally:
+        advantage_estimators.unregister("tests_value_baseline")
+    assert seen == [["values"], ["values"]]  # exactly what it declared, every step
+    assert all("critic/vf_loss" in m and "values/mean" in m for m in result.history)  # a critic trained
+
+
+def test_log_val_generations_sends_samples_to_every_tracker(tmp_path, capsys):
+    result = run(
+        tmp_path, "trainer.trackers=[console,jsonl]", "trainer.resume_mode=disable",
+        "trainer.total_training_steps=1", "trainer.test_freq=1", "trainer.log_val_generations=3",
+    )  # fmt: skip
+    with open(os.path.join(result.run_dir, "val_generations.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [row["step"] for row in rows] == [0, 0, 0, 1, 1, 1]  # before training and after step 1
+    assert all(set(row) == {"step", "prompt", "response", "score"} for row in rows)
+    assert rows[0]["prompt"].startswith("user\nWrite digits:") and isinstance(rows[0]["score"], float)
+    printed = capsys.readouterr().err  # the console tracker writes to stderr
+    assert "Validation samples, step 1" in printed and rows[3]["prompt"].splitlines()[1][:12] in printed
+    off = run(tmp_path, *QUICK, "trainer.total_training_steps=1", "trainer.test_freq=1", name="off")
+    assert not os.path.exists(os.path.join(off.run_dir, "val_generations.jsonl"))  # 0 = none
+
+
+HANGING_REWARD = """
+import time
+
+CALLS = []
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    CALLS.append(1)
+    if len(CALLS) == 3:  # one call of the step hangs
+        time.sleep(60)
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize("placement", ["driver", "workers"])
+def test_a_hanging_reward_times_out_and_the_step_goes_on(tmp_path, placement):
+    reward = tmp_path / "hang.py"
+    reward.write_text(HANGING_REWARD)
+    result = run(
+        tmp_path, *QUICK, f"reward.function={reward}:score", "reward.timeout_seconds=0.5",
+        f"reward.placement={placement}", "trainer.total_training_steps=1", "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+    )  # fmt: skip
+    metrics = result.history[0]
+    assert metrics["reward/timeouts"] == 1.0 and metrics["reward/errors"] == 1.0
+    assert metrics["score/min"] == 0.0 and metrics["score/max"] == 1.0  # the hung one scored 0
+    assert metrics["timing/score"] < 5.0  # the 0.5 s limit, not the 60 s sleep

@@ -12,11 +12,13 @@ built-ins the same way. Each registry checks what it loads against the protocol 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from trellis.protocols import CallableProtocol, ClassProtocol
 from trellis.registry import Registry
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 rollout_replicas: Registry[type] = Registry(
     "rollout replica",
@@ -61,7 +63,7 @@ advantage_estimators: Registry[Callable[..., Any]] = Registry(
     "advantage estimator",
     "trellis.advantage_estimators",
     CallableProtocol(
-        "fn(token_level_rewards, response_mask, *, index=None, config=None, **extra) "
+        "fn(token_level_rewards, response_mask, *, index=None, config=None, **needs) "
         "-> (advantages, returns)",
         positional=("token_level_rewards", "response_mask"),
         keywords=("index", "config"),
@@ -72,9 +74,9 @@ policy_losses: Registry[Callable[..., Any]] = Registry(
     "trellis.policy_losses",
     CallableProtocol(
         "fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode='token-mean', "
-        "config=None, rollout_is_weights=None) -> (loss, metrics)",
+        "config=None, rollout_is_weights=None, global_batch_info=None, **needs) -> (loss, metrics)",
         positional=("old_log_prob", "log_prob", "advantages", "response_mask"),
-        keywords=("loss_agg_mode", "config", "rollout_is_weights"),
+        keywords=("loss_agg_mode", "config", "rollout_is_weights", "global_batch_info"),
     ),
 )
 device_backends: Registry[type] = Registry(
@@ -181,9 +183,10 @@ def get_adv_estimator_fn(name: str) -> Callable[..., Any]:
     return advantage_estimators.get(name)
 
 
-def register_adv_est(name: str, *, replace: bool = False) -> Callable[[Any], Any]:
-    """Decorator: ``@register_adv_est("my_adv")`` registers an advantage estimator in-process."""
-    return advantage_estimators.register(name, replace=replace)
+def register_adv_est(name: str, *, requires: Iterable[str] = (), replace: bool = False) -> Callable[[F], F]:
+    """Decorator: ``@register_adv_est("my_adv", requires=("values",))`` registers an advantage
+    estimator in-process, declaring what it needs (names in :data:`NEEDS`; see :func:`requires`)."""
+    return _register_with_needs(advantage_estimators, name, requires, replace)
 
 
 def get_policy_loss_fn(name: str) -> Callable[..., Any]:
@@ -191,9 +194,96 @@ def get_policy_loss_fn(name: str) -> Callable[..., Any]:
     return policy_losses.get(name)
 
 
-def register_policy_loss(name: str, *, replace: bool = False) -> Callable[[Any], Any]:
-    """Decorator: ``@register_policy_loss("my_loss")`` registers a policy loss in-process."""
-    return policy_losses.register(name, replace=replace)
+def register_policy_loss(
+    name: str, *, requires: Iterable[str] = (), replace: bool = False
+) -> Callable[[F], F]:
+    """Decorator: ``@register_policy_loss("my_loss", requires=("ref_log_prob",))`` registers a policy
+    loss in-process, declaring what it needs (names in :data:`NEEDS`; see :func:`requires`)."""
+    return _register_with_needs(policy_losses, name, requires, replace)
+
+
+def _register_with_needs(
+    registry: Registry[Callable[..., Any]], name: str, needs: Iterable[str], replace: bool
+) -> Callable[[F], F]:
+    declare = requires(*needs)
+
+    def decorate(fn: F) -> F:
+        registry.register(name, declare(fn), replace=replace)
+        return fn
+
+    return decorate
+
+
+# ---------------------------------------------------------------- what a component needs
+
+NEEDS: dict[str, str] = {
+    "values": "the critic's value of each response token, values= (bs, T); the run trains a critic",
+    "groups": "several responses to each prompt, compared through index= (the prompt uid); rollout.n >= 2",
+    "reward_baselines": "the reward of a greedy response to each sample's prompt, reward_baselines= (bs,); "
+    "the trainer generates and scores it every step",
+    "ref_log_prob": "the reference policy's log-prob of each response token, ref_log_prob= (bs, T); the run "
+    "keeps a reference model",
+    "old_log_probs": "the log-probs of the policy before the update, old_log_probs= (bs, T), from their own "
+    "forward pass even when the update is on-policy",
+    "rollout_log_probs": "the rollout replica's log-prob of each sampled token, rollout_log_probs= (bs, T); "
+    "rollout.calculate_log_probs must be true",
+}
+"""What an advantage estimator or a policy loss may declare it needs, and what the run then provides.
+
+Every need except ``groups`` is also a keyword argument the component is called with, and only the
+components that declare it get it: an estimator is called with exactly the inputs it declares."""
+
+
+def requires(*needs: str) -> Callable[[F], F]:
+    """Decorator: declare what an estimator or policy loss needs, as its ``requires`` attribute.
+
+    This is the entry-point form of ``register_adv_est(name, requires=...)``: a function published
+    through ``trellis.advantage_estimators`` carries its needs with it::
+
+        @requires("values")
+        def my_estimator(token_level_rewards, response_mask, *, index=None, config=None, values=None): ...
+
+    Raises:
+        ValueError: a name that is not in :data:`NEEDS`.
+    """
+    declared = _check_needs(needs, "requires()")
+
+    def declare(fn: F) -> F:
+        setattr(fn, "requires", declared)  # noqa: B010 - mypy: a function has no declared attribute
+        return fn
+
+    return declare
+
+
+def needs_of(component: Any, kind: str = "component") -> frozenset[str]:
+    """The needs ``component`` declares (its ``requires`` attribute; none when absent).
+
+    Raises:
+        ValueError: ``requires`` is not a collection of names in :data:`NEEDS` (the message names the
+            component, the bad name and the known ones).
+    """
+    declared = getattr(component, "requires", ())
+    if isinstance(declared, str) or not isinstance(declared, Iterable):
+        raise ValueError(
+            f"The {kind} {_name_of(component)} declares requires={declared!r}; it must be a tuple of names "
+            f"among {sorted(NEEDS)}, e.g. ('values',)."
+        )
+    return _check_needs(tuple(declared), f"the {kind} {_name_of(component)}")
+
+
+def _check_needs(needs: tuple[Any, ...], who: str) -> frozenset[str]:
+    for need in needs:
+        if need not in NEEDS:
+            import difflib
+
+            close = difflib.get_close_matches(str(need), list(NEEDS), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{who} names the unknown need {need!r}; needs: {', '.join(NEEDS)}.{hint}")
+    return frozenset(needs)
+
+
+def _name_of(component: Any) -> str:
+    return f"{getattr(component, '__module__', '?')}:{getattr(component, '__qualname__', repr(component))}"
 
 
 def register_reward_function(name: str, *, replace: bool = False) -> Callable[[Any], Any]:

@@ -12,7 +12,10 @@ Every estimator has the call convention of the ``trellis.advantage_estimators`` 
 * ``config``: None, a dict, or a config object with ``.get(key, default)`` (``AlgorithmConfig``). Read
   keys: ``gamma`` (γ, default 1), ``lam`` (λ, default 1), ``norm_adv_by_std_in_grpo`` (default True)
   and ``epsilon`` (ε, default 1e-6; an ``epsilon=`` keyword wins over the config).
-* ``extra``: inputs some estimators need: ``values`` (gae), ``reward_baselines`` (remax).
+* ``extra``: the inputs an estimator declares it needs (``@requires(...)``, its ``requires`` attribute;
+  vocabulary in ``trellis.registries.NEEDS``): ``values`` (gae), ``reward_baselines`` (remax). The
+  trainer calls each estimator with exactly the inputs it declares; ``groups`` declares that it compares
+  the responses to one prompt, so the run needs ``rollout.n >= 2``.
 
 Both outputs are ``(bs, T)`` and zero outside the mask. R_i = Σ_t r_{i,t} over the mask is the score of
 sample i; "outcome" estimators give every masked token of a response the same advantage.
@@ -25,8 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trellis._config import config_value
+from trellis.utils.settings import config_value
 from trellis.algorithms.masked import masked_sum, masked_whiten
+from trellis.registries import requires
 
 __all__ = [
     "compute_gae_advantage_return",
@@ -116,6 +120,7 @@ def _broadcast(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- critic-based
 
 
+@requires("values")
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
@@ -176,6 +181,7 @@ def compute_gae_advantage_return(
 # ---------------------------------------------------------------- group baselines
 
 
+@requires("groups")
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -207,6 +213,7 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages
 
 
+@requires("groups")
 @torch.no_grad()
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -261,6 +268,7 @@ def compute_grpo_passk_outcome_advantage(
     return advantages, advantages
 
 
+@requires("groups")
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -291,6 +299,7 @@ def compute_rloo_outcome_advantage(
     return advantages, advantages
 
 
+@requires("groups")
 @torch.no_grad()
 def compute_opo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -326,6 +335,7 @@ def compute_opo_outcome_advantage(
     return advantages, advantages
 
 
+@requires("groups")
 @torch.no_grad()
 def compute_gpg_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -361,6 +371,7 @@ def compute_gpg_outcome_advantage(
 # ---------------------------------------------------------------- REINFORCE family
 
 
+@requires()
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -393,6 +404,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
+@requires("groups")
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -423,6 +435,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return advantages, advantages
 
 
+@requires("reward_baselines")
 @torch.no_grad()
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,

@@ -9,9 +9,9 @@ it then all-reduces them across the ``dp_size`` data-parallel ranks, and that al
 
     mean over ranks of Σ_{micro-batches} agg_loss(...)  ==  agg_loss(whole global batch).
 
-The global counts come from the engine. Policy and value losses (``trellis.algorithms.policy_loss``)
-read them from their config as ``config["global_batch_info"]`` (or ``config.get("global_batch_info")``),
-a dict ``dict(dp_size=..., batch_num_tokens=..., global_batch_size=...)``:
+The global counts come from the engine, which hands them to the loss function of each micro-batch as
+``global_batch_info`` (:class:`GlobalBatchInfo`); policy and value losses take it as an explicit
+argument, ``global_batch_info=``, and pass it on as ``agg_loss(..., **global_batch_info)``:
 
 - ``dp_size``: number of data-parallel ranks whose gradients are averaged.
 - ``batch_num_tokens``: masked-in tokens of the whole global mini-batch (all ranks, all micro-batches).
@@ -37,10 +37,20 @@ Fully masked sequences contribute nothing and are not counted in B.
 from __future__ import annotations
 
 from numbers import Real
+from typing import TypedDict
 
 import torch
 
 from trellis.algorithms.masked import masked_mean, masked_sum
+
+
+class GlobalBatchInfo(TypedDict, total=False):
+    """Counts over the whole global mini-batch (all micro-batches on all data-parallel ranks)."""
+
+    dp_size: int
+    batch_num_tokens: int | torch.Tensor | None
+    global_batch_size: int | torch.Tensor | None
+
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """The values ``loss_agg_mode`` may take."""

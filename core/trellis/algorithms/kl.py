@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trellis._config import config_value
+from trellis.utils.settings import config_value
 
 __all__ = [
     "KL_KINDS",

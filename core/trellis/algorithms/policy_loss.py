@@ -3,14 +3,19 @@
 Every policy loss follows the protocol of ``trellis.registries.policy_losses``::
 
     fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-       config=None, rollout_is_weights=None) -> (loss, metrics)
+       config=None, rollout_is_weights=None, global_batch_info=None, **needs) -> (loss, metrics)
 
 - ``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask``: ``(bs, T)`` over response
   tokens; ``log_prob`` carries the gradient, the others are treated as constants.
 - ``rollout_is_weights``: optional ``(bs, T)`` importance weights (rollout correction); they
   multiply the per-token loss and are detached.
-- ``loss``: a 0-d tensor, aggregated by :func:`trellis.algorithms.aggregation.agg_loss` with the
-  global-batch counts in ``config["global_batch_info"]`` (see that module).
+- ``global_batch_info``: the counts of the whole global mini-batch that the engine passes with each
+  micro-batch (``dp_size``, ``batch_num_tokens``, ``global_batch_size``; see
+  :mod:`trellis.algorithms.aggregation`); None means one rank and this call's own counts.
+- ``loss``: a 0-d tensor, aggregated by :func:`trellis.algorithms.aggregation.agg_loss` with those
+  counts.
+- ``needs``: a loss may declare inputs it needs (``@requires("ref_log_prob")``, vocabulary in
+  ``trellis.registries.NEEDS``); it is then called with them as keyword arguments.
 - ``metrics``: detached 0-d tensors (no host synchronisation; ``float()`` them to log), at least
   ``actor/pg_clipfrac`` (fraction of masked tokens whose ratio was clipped, 0 for losses that
   never clip) and ``actor/ppo_kl`` (masked mean of old_log_prob − log_prob).
@@ -26,12 +31,13 @@ kl_cov, geo_mean, cispo, sapo.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from trellis._config import config_value
-from trellis.algorithms.aggregation import agg_loss
+from trellis.utils.settings import config_value
+from trellis.algorithms.aggregation import GlobalBatchInfo, agg_loss
 from trellis.algorithms.masked import masked_mean
 
 LOG_RATIO_BOUND = 20.0
@@ -67,23 +73,35 @@ def _clip_bounds(config: Any) -> tuple[float, float]:
     return _setting(config, "clip_ratio_low", clip_ratio), _setting(config, "clip_ratio_high", clip_ratio)
 
 
-def _global_batch_kwargs(config: Any) -> dict[str, Any]:
-    """dp_size / batch_num_tokens / global_batch_size from ``config["global_batch_info"]``."""
-    info = _setting(config, "global_batch_info", None)
+def _global_batch_kwargs(info: GlobalBatchInfo | None) -> dict[str, Any]:
+    """dp_size / batch_num_tokens / global_batch_size from ``global_batch_info`` (None: one rank, local
+    counts)."""
+    if info is not None and not isinstance(info, Mapping):
+        raise TypeError(
+            "global_batch_info must be a dict with dp_size, batch_num_tokens and global_batch_size (what "
+            f"the engine passes to the loss function), got {type(info).__name__}."
+        )
+    info = info or {}
     return {
-        "dp_size": _get(info, "dp_size") or 1,
-        "batch_num_tokens": _get(info, "batch_num_tokens"),
-        "global_batch_size": _get(info, "global_batch_size"),
+        "dp_size": info.get("dp_size") or 1,
+        "batch_num_tokens": info.get("batch_num_tokens"),
+        "global_batch_size": info.get("global_batch_size"),
     }
 
 
-def _aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, config: Any) -> torch.Tensor:
+def _aggregate(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
+    global_batch_info: GlobalBatchInfo | None,
+) -> torch.Tensor:
     return agg_loss(
         loss_mat,
         mask,
         loss_agg_mode,
         loss_scale_factor=_setting(config, "loss_scale_factor", None),
-        **_global_batch_kwargs(config),
+        **_global_batch_kwargs(global_batch_info),
     )
 
 
@@ -140,6 +158,7 @@ def compute_policy_loss_vanilla(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Clipped PPO with asymmetric clip bounds and dual clip for negative advantages.
 
@@ -168,7 +187,9 @@ def compute_policy_loss_vanilla(
     clip_losses2 = torch.minimum(pg_losses3, clip_losses1)
     negative = advantages < 0
     pg_losses = torch.where(negative, clip_losses2, clip_losses1)
-    loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config)
+    loss = _aggregate(
+        _weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config, global_batch_info
+    )
     metrics = _base_metrics(log_ratio, response_mask, _fraction(clipped, response_mask))
     metrics["actor/pg_clipfrac_lower"] = _fraction((clip_losses1 > pg_losses3) & negative, response_mask)
     return loss, metrics
@@ -182,6 +203,7 @@ def compute_policy_loss_gspo(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """GSPO (Group Sequence Policy Optimization): PPO clip on a sequence-level ratio.
 
@@ -203,7 +225,13 @@ def compute_policy_loss_gspo(
     token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1)
     seq_ratio = torch.exp(token_log_ratio)
     pg_losses, clipped = _ppo_clip(advantages, seq_ratio, clip_low, clip_high)
-    loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, "seq-mean-token-mean", config)
+    loss = _aggregate(
+        _weighted(pg_losses, rollout_is_weights),
+        response_mask,
+        "seq-mean-token-mean",
+        config,
+        global_batch_info,
+    )
     return loss, _base_metrics(log_ratio, response_mask, _fraction(clipped, response_mask))
 
 
@@ -215,13 +243,16 @@ def compute_policy_loss_gpg(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """GPG (Group Policy Gradient): plain REINFORCE, L = −A·log π per token; no ratio, no clip.
 
     ``old_log_prob`` only feeds the actor/ppo_kl metric.
     """
     pg_losses = -advantages * log_prob  # −A·log π
-    loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config)
+    loss = _aggregate(
+        _weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config, global_batch_info
+    )
     return loss, _base_metrics(_log_ratio(old_log_prob, log_prob), response_mask, 0.0)
 
 
@@ -233,6 +264,7 @@ def compute_policy_loss_clip_cov(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs").
 
@@ -270,7 +302,9 @@ def compute_policy_loss_clip_cov(
     detached = detached.view_as(pg_losses)
     pg_losses = torch.where(detached, pg_losses.detach(), pg_losses)  # same value, no gradient
 
-    loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config)
+    loss = _aggregate(
+        _weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config, global_batch_info
+    )
     metrics = _base_metrics(log_ratio, response_mask, _fraction(clipped, response_mask))
     metrics["actor/clip_cov_frac"] = _fraction(detached, response_mask)
     return loss, metrics
@@ -284,6 +318,7 @@ def compute_policy_loss_kl_cov(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """KL-Cov (Cui et al. 2025): unclipped policy gradient plus a KL penalty on high-covariance tokens.
 
@@ -310,7 +345,9 @@ def compute_policy_loss_kl_cov(
     # L += β·|log r| on the top-covariance tokens
     pg_losses = torch.where(penalised, pg_losses + kl_coef * log_ratio.abs(), pg_losses)
 
-    loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config)
+    loss = _aggregate(
+        _weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config, global_batch_info
+    )
     metrics = _base_metrics(log_ratio, response_mask, 0.0)
     metrics["actor/kl_cov_frac"] = _fraction(penalised, response_mask)
     return loss, metrics
@@ -324,6 +361,7 @@ def compute_policy_loss_geo_mean(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """GMPO (Geometric-Mean Policy Optimization): the geometric mean of token ratios per sequence.
 
@@ -361,7 +399,7 @@ def compute_policy_loss_geo_mean(
         seq_losses.unsqueeze(-1),
         non_empty.unsqueeze(-1),
         "seq-mean-token-sum",
-        **_global_batch_kwargs(config),
+        **_global_batch_kwargs(global_batch_info),
     )
     return loss, _base_metrics(log_ratio, response_mask, _fraction(clipped, response_mask))
 
@@ -374,6 +412,7 @@ def compute_policy_loss_cispo(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """CISPO (MiniMax-M1): clip the importance weight, never the gradient.
 
@@ -387,7 +426,9 @@ def compute_policy_loss_cispo(
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # sg(clip(r))
     pg_losses = -weight * advantages * log_prob  # −sg(clip(r))·A·log π
     clipped = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
-    loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config)
+    loss = _aggregate(
+        _weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config, global_batch_info
+    )
     return loss, _base_metrics(log_ratio, response_mask, _fraction(clipped, response_mask))
 
 
@@ -399,6 +440,7 @@ def compute_policy_loss_sapo(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """SAPO (Soft Adaptive Policy Optimization): a smooth gate instead of the hard clip.
 
@@ -421,7 +463,9 @@ def compute_policy_loss_sapo(
     tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # f(r) = σ(τ(r − 1))·4/τ
     pg_losses = -gate * advantages  # −f(r)·A
-    loss = _aggregate(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config)
+    loss = _aggregate(
+        _weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config, global_batch_info
+    )
     return loss, _base_metrics(log_ratio, response_mask, 0.0)
 
 
@@ -436,6 +480,7 @@ def compute_value_loss(
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
     config: Any = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Clipped value loss: per token 0.5·max((v − R)², (V + clip(v − V, −c, c) − R)²).
 
@@ -445,7 +490,7 @@ def compute_value_loss(
         values: ``(bs, T)`` values V predicted at rollout time (old critic).
         response_mask: ``(bs, T)``.
         cliprange_value: c, how far v may move from V before its gradient is cut.
-        loss_agg_mode, config: as for the policy losses (``config["global_batch_info"]``).
+        loss_agg_mode, config, global_batch_info: as for the policy losses.
 
     Returns:
         (loss, metrics) with ``critic/vf_clipfrac``: fraction of masked tokens where the clipped
@@ -462,7 +507,7 @@ def compute_value_loss(
     vf_losses1 = (vpreds - returns) ** 2  # (v − R)²
     vf_losses2 = (vpred_clipped - returns) ** 2  # (v_clip − R)²
     vf_losses = 0.5 * torch.maximum(vf_losses1, vf_losses2)
-    loss = _aggregate(vf_losses, response_mask, loss_agg_mode, config)
+    loss = _aggregate(vf_losses, response_mask, loss_agg_mode, config, global_batch_info)
     return loss, {"critic/vf_clipfrac": _fraction(vf_losses2 > vf_losses1, response_mask)}
 
 
@@ -471,10 +516,11 @@ def compute_entropy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     config: Any = None,
+    global_batch_info: GlobalBatchInfo | None = None,
 ) -> torch.Tensor:
     """The per-token entropy ``(bs, T)`` (computed by the engine) aggregated to a scalar.
 
-    This is the entropy itself, not its negative: the trainer subtracts ``entropy_coeff`` × it
-    from the policy loss. ``config`` (optional) supplies ``global_batch_info`` as for the losses.
+    This is the entropy itself, not its negative: the actor loss subtracts ``entropy_coeff`` × it
+    from the policy loss. ``global_batch_info`` as for the losses.
     """
-    return _aggregate(entropy, response_mask, loss_agg_mode, config)
+    return _aggregate(entropy, response_mask, loss_agg_mode, config, global_batch_info)

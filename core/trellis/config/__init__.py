@@ -11,12 +11,19 @@ The defaults, every key documented, are in ``trellis/config/defaults/trellis.yam
 
 from __future__ import annotations
 
-from trellis.config.base import BaseConfig, ConfigValueError, default_dict, field_doc, knob, section
+from trellis.config.base import (
+    BaseConfig,
+    ConfigValueError,
+    default_dict,
+    field_doc,
+    knob,
+    schema_default,
+    section,
+)
 from trellis.config.loader import load_config, omega_conf_to_dataclass, to_dict, to_yaml
+from trellis.config.needs import RunNeeds, resolve_needs
 from trellis.config.render import DEFAULTS_YAML, render_defaults_yaml
 from trellis.config.schema import (
-    ESTIMATORS_WITH_CRITIC,
-    GROUP_ESTIMATORS,
     ActorConfig,
     AgentConfig,
     AlgorithmConfig,
@@ -38,8 +45,6 @@ from trellis.config.schema import (
 
 __all__ = [
     "DEFAULTS_YAML",
-    "ESTIMATORS_WITH_CRITIC",
-    "GROUP_ESTIMATORS",
     "ActorConfig",
     "AgentConfig",
     "AlgorithmConfig",
@@ -56,6 +61,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
+    "RunNeeds",
     "TrainerConfig",
     "TrellisConfig",
     "ValidationSamplingConfig",
@@ -65,6 +71,8 @@ __all__ = [
     "load_config",
     "omega_conf_to_dataclass",
     "render_defaults_yaml",
+    "resolve_needs",
+    "schema_default",
     "section",
     "to_dict",
     "to_yaml",

@@ -24,12 +24,6 @@ KLEstimator = Literal[
     "k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "k3+", "low_var_kl+"
 ]  # = trellis.algorithms.kl.KL_KINDS
 
-ESTIMATORS_WITH_CRITIC = ("gae",)
-"""Advantage estimators that need a value model: ``critic.enable: null`` turns the critic on for these."""
-
-GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk")
-"""Advantage estimators that compare the responses to one prompt, so they need ``rollout.n >= 2``."""
-
 
 # ---------------------------------------------------------------- data and model
 
@@ -281,7 +275,9 @@ class CriticConfig(BaseConfig):
     """The value model, trained alongside the actor when the advantage estimator needs values."""
 
     enable: bool | None = knob(
-        None, "Train a value model. null = on exactly when algorithm.adv_estimator needs one (gae)."
+        None,
+        "Train a value model. null = on exactly when algorithm.adv_estimator or actor.policy_loss declares "
+        "it needs values (gae).",
     )
     engine: str = knob("single", "Training engine, a name in trellis.training_engines (see actor.engine).")
     model_path: str | None = knob(
@@ -326,7 +322,7 @@ class RefConfig(BaseConfig):
     enable: bool | None = knob(
         None,
         "Compute reference log-probs. null = on exactly when a KL term needs them "
-        "(actor.use_kl_loss or algorithm.use_kl_in_reward).",
+        "(actor.use_kl_loss or algorithm.use_kl_in_reward) or the estimator or policy loss declares it does.",
     )
     engine: str = knob("single", "Training engine that runs its forward passes (see actor.engine).")
     log_prob_micro_batch_size_per_device: int = knob(
@@ -500,10 +496,28 @@ class RewardConfig(BaseConfig):
         "null = chosen per sample by its data.reward_fn_key column.",
     )
     function_kwargs: dict[str, Any] = knob({}, "Extra keyword arguments passed to the scoring function.")
-    timeout_seconds: float | None = knob(
-        60.0, "Longest one score may take, in seconds. null = no limit. 60 allows sandboxed code runs.", gt=0
+    placement: Literal["workers", "driver"] = knob(
+        "workers",
+        "Where scoring runs: workers (each policy worker scores its own share of the batch, next to the "
+        "samples, all in parallel) or driver (the trainer process scores the whole batch).",
     )
-    num_workers: int = knob(1, "Processes scoring in parallel. 1 = score in the driver process.", ge=1)
+    timeout_seconds: float | None = knob(
+        60.0,
+        "Longest one score may take, in seconds; a call past it scores 0 and counts in reward/timeouts. "
+        "null = no limit. 60 allows sandboxed code runs.",
+        gt=0,
+    )
+    num_workers: int = knob(
+        1,
+        "Processes the async manager scores in, in parallel (naive and batch score in the process that holds "
+        "the batch).",
+        ge=1,
+    )
+    tool_reward_weight: float = knob(
+        1.0,
+        "Weight of the tools' rewards (step rewards plus calc_reward at the end of a trajectory) added to "
+        "each sample's score, on its last model token; logged as reward/tool. 0 = tools only inform.",
+    )
 
 
 @dataclass
@@ -846,10 +860,10 @@ class TrellisConfig(BaseConfig):
         if rollout.max_tokens is None:
             rollout.max_tokens = data.max_response_length
         uses_kl = actor.use_kl_loss or algorithm.use_kl_in_reward
-        if ref.enable is None:
-            ref.enable = uses_kl
-        if critic.enable is None:
-            critic.enable = algorithm.adv_estimator in ESTIMATORS_WITH_CRITIC
+        if ref.enable is None and uses_kl:
+            ref.enable = True
+        # critic.enable (and ref.enable without a KL term) follow what the estimator and the policy loss
+        # declare they need: trellis.config.needs.resolve_needs settles them when the run is built.
         if critic.model_path is None:
             critic.model_path = model.path
         if critic.ppo_mini_batch_size is None:
@@ -872,20 +886,6 @@ class TrellisConfig(BaseConfig):
                 False,
                 f"must be true (or null) when {which} is true: the KL term needs reference log-probs",
             )
-        if algorithm.adv_estimator in ESTIMATORS_WITH_CRITIC and not critic.enable:
-            raise ConfigValueError(
-                "critic.enable",
-                False,
-                f"must be true (or null) with algorithm.adv_estimator {algorithm.adv_estimator!r}, "
-                "which needs values",
-            )
-        if algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
-            raise ConfigValueError(
-                "rollout.n",
-                rollout.n,
-                f"must be >= 2 with algorithm.adv_estimator {algorithm.adv_estimator!r}, which compares the "
-                "responses to one prompt",
-            )
         correction = algorithm.rollout_correction
         if correction.enabled and not rollout.calculate_log_probs:
             part = "rollout_is" if correction.rollout_is is not None else "rollout_rs"
@@ -895,11 +895,16 @@ class TrellisConfig(BaseConfig):
                 f"must be true when algorithm.rollout_correction.{part} is {correction[part]!r}, "
                 "which compares the trainer's log-probs with the rollout's",
             )
-        self._check_batches("actor", actor)
+        self.check_batches("actor", actor)
         if critic.enable:
-            self._check_batches("critic", critic)
+            self.check_batches("critic", critic)
 
-    def _check_batches(self, role: str, cfg: ActorConfig | CriticConfig) -> None:
+    def check_batches(self, role: str, cfg: ActorConfig | CriticConfig) -> None:
+        """Check that ``role``'s mini- and micro-batches fit the step's batch and devices.
+
+        Raises:
+            ConfigValueError: the offending key, its value and the relation it breaks.
+        """
         # One step's prompts split into whole mini-batches; one mini-batch's responses split evenly
         # over the data-parallel devices; with dynamic batching, one full-length sample must fit.
         mini, n, prompts = cfg.ppo_mini_batch_size, self.rollout.n, self.data.train_batch_size

@@ -35,6 +35,8 @@ from trellis.data.protocol import DataProto
 from trellis.errors import TrellisError
 from trellis.reward.resolve import resolve_reward_function
 from trellis.reward.workers import warm_up, worker_score
+from trellis.utils.coroutines import run_coroutine
+from trellis.utils.deadline import CallTimeout, call_with_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +76,6 @@ def _as_float(value: Any) -> float:
             f"a reward function returned {value!r} ({type(value).__name__}); return a number or "
             "a dict with a numeric 'score'."
         ) from None
-
-
-def run_coroutine(coro: Any) -> Any:
-    """Run ``coro`` to completion from synchronous code, even if this thread already runs a loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    # Called from inside an event loop (an async trainer): a fresh loop in a helper thread.
-    with concurrent.futures.ThreadPoolExecutor(1) as helper:
-        return helper.submit(asyncio.run, coro).result()
 
 
 class _RewardManager:
@@ -136,7 +127,7 @@ class _RewardManager:
         """
         samples, last_index = self._samples(data)
         outcomes = self._score(samples)
-        responses = data.batch["responses"]
+        responses = data.tensors["responses"]
         reward = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
         for i, (outcome, last) in enumerate(zip(outcomes, last_index, strict=False)):
             if last >= 0:  # an empty response has no token to carry its reward
@@ -243,8 +234,10 @@ async def _await_result(result: Any, timeout: float | None) -> ScoreOutcome:
 class NaiveRewardManager(_RewardManager):
     """One call per sample, in order, in this process.
 
-    Async scoring functions run on one event loop, each under ``timeout_seconds``; plain functions
-    cannot be interrupted, so the limit does not apply to them (use the ``async`` manager).
+    Async scoring functions run on one event loop, each under ``timeout_seconds``. Plain functions run
+    under it too (:func:`trellis.utils.deadline.call_with_deadline`): on the main thread an alarm
+    interrupts an overrunning call; elsewhere the call is abandoned in its thread. Either way the step
+    goes on with a 0 for it. For code that only a process kill stops, use the ``async`` manager.
     """
 
     def _score(self, samples: list[dict[str, Any]]) -> list[ScoreOutcome]:
@@ -253,11 +246,13 @@ class NaiveRewardManager(_RewardManager):
         outcomes = []
         for sample in samples:
             try:
-                result = self.compute_score(**sample)
+                result = call_with_deadline(self.compute_score, sample, self.timeout_seconds)
                 if inspect.isawaitable(result):
                     outcomes.append(run_coroutine(_await_result(result, self.timeout_seconds)))
                 else:
                     outcomes.append(outcome_of(result))
+            except CallTimeout as exc:
+                outcomes.append(ScoreOutcome(error=str(exc), timed_out=True))
             except Exception as exc:
                 outcomes.append(_failed(exc))
         return outcomes
@@ -303,7 +298,9 @@ class BatchRewardManager(_RewardManager):
     ``compute_score`` may be such a function (a callable or a ``module:fn`` reference), or a
     per-sample function (a registered name, or any function without a ``solution_strs`` parameter),
     which is then applied sample by sample. If the call raises, every sample of the batch scores 0
-    and counts as an error; an async batch function runs under ``timeout_seconds``.
+    and counts as an error. The whole call runs under ``timeout_seconds`` (async functions on an event
+    loop, plain ones through :func:`trellis.utils.deadline.call_with_deadline`); past it, every sample
+    scores 0 and counts as a timeout.
     """
 
     def _resolve(self, compute_score: Any, function_kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -325,7 +322,7 @@ class BatchRewardManager(_RewardManager):
             "extra_infos": [s["extra_info"] for s in samples],
         }
         try:
-            results = self.compute_score(**columns)
+            results = call_with_deadline(self.compute_score, columns, self.timeout_seconds)
             if inspect.isawaitable(results):
                 results = run_coroutine(asyncio.wait_for(results, self.timeout_seconds))
             results = list(results)
@@ -333,7 +330,7 @@ class BatchRewardManager(_RewardManager):
                 raise ValueError(
                     f"the batch reward function returned {len(results)} results for {size} samples"
                 )
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, CallTimeout):
             return [ScoreOutcome(error=f"timed out after {self.timeout_seconds} s", timed_out=True)] * size
         except Exception as exc:
             return [_failed(exc) for _ in range(size)]

@@ -28,6 +28,8 @@ Output ``DataProto`` (``bs`` samples, ``P`` longest prompt, ``R`` longest respon
 - ``rollout_log_probs`` (bs, R) float32, when the sampling params asked for log-probs (0 off the
   mask);
 - ``rm_scores`` (bs, R): when every loop returned a ``reward``, on the sample's last model token;
+- ``tool_rewards`` (bs,) float32: what each sample's tools rewarded (step rewards plus ``calc_reward``
+  at the end; 0 without tools). The score stage adds it, weighted by ``reward.tool_reward_weight``;
 - every non-tensor column of the input, plus ``__num_turns__``; ``meta_info["metrics"]`` holds the
   mean of each loop metric and ``agent/num_turns/{mean,min,max}``.
 """
@@ -47,8 +49,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from trellis.data.dataset import pad_id
 from trellis.data.protocol import DataProto
 from trellis.rollout.sampling import SamplingParams, TokenOutput
+from trellis.utils.coroutines import run_coroutine
 
 ROW_KEY = "__row__"
 """Optional column: each row's position in the whole batch. Per-sample seeds mix it in instead of the
@@ -68,6 +72,8 @@ class AgentLoopOutput:
         num_turns: turns in the conversation, the prompt's user turn included (single turn: 2).
         metrics: numbers to log (averaged over the batch), e.g. ``tool/errors``.
         reward: the sample's reward when the loop computed it; None leaves it to the reward manager.
+        tool_reward: the rewards the sample's tools gave (step rewards and ``calc_reward``), which the
+            score stage adds to its reward (weighted by ``reward.tool_reward_weight``).
         extra: anything else to keep per sample (becomes a non-tensor column when every sample has it).
     """
 
@@ -78,6 +84,7 @@ class AgentLoopOutput:
     num_turns: int = 2
     metrics: dict[str, float] = field(default_factory=dict)
     reward: float | None = None
+    tool_reward: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -217,19 +224,21 @@ def _mix(*parts: Any) -> int:
 
 
 def sampling_params_for(
-    rollout_config: Any, response_length: int, *, validate: bool = False
+    rollout_config: Any, response_length: int, *, validate: bool = False, greedy: bool = False
 ) -> SamplingParams:
     """The sampling params of rollout (or, with ``validate``, of validation) from the config.
 
     ``response_length`` is the default for ``rollout.max_tokens``; temperature is 0 (greedy) when
-    ``do_sample`` is off; log-probs are returned when ``rollout.calculate_log_probs`` is on.
+    ``do_sample`` is off or ``greedy`` is asked (e.g. the greedy baseline of ``remax``); log-probs are
+    returned when ``rollout.calculate_log_probs`` is on.
     """
     source = rollout_config.val_kwargs if validate else rollout_config
     max_tokens = getattr(rollout_config, "max_tokens", None) or response_length
+    sample = bool(source.do_sample) and not greedy
     return SamplingParams(
-        temperature=float(source.temperature) if source.do_sample else 0.0,
-        top_p=float(source.top_p),
-        top_k=int(source.top_k),
+        temperature=float(source.temperature) if sample else 0.0,
+        top_p=float(source.top_p) if sample else 1.0,
+        top_k=int(source.top_k) if sample else -1,
         max_tokens=int(max_tokens),
         logprobs=bool(getattr(rollout_config, "calculate_log_probs", False)),
     )
@@ -271,9 +280,7 @@ class AgentLoopManager:
                 "AgentLoopManager needs a response length: set rollout.max_tokens or pass response_length "
                 "(data.max_response_length)."
             )
-        from trellis.data.dataset import _pad_id
-
-        self.pad_token_id = _pad_id(tokenizer)
+        self.pad_token_id = pad_id(tokenizer)
         self._loop_classes: dict[str, type] = {}
 
     def loop_class(self, name: str) -> type:
@@ -286,14 +293,13 @@ class AgentLoopManager:
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Synchronous :meth:`generate_sequences_async` (runs its own event loop)."""
-        from trellis.reward.managers import run_coroutine
-
         return run_coroutine(self.generate_sequences_async(prompts))
 
     async def generate_sequences_async(self, prompts: DataProto) -> DataProto:
         """Run one agent loop per row of ``prompts`` concurrently; the rows' results as one DataProto.
 
-        ``prompts.meta_info``: ``validate`` (use ``rollout.val_kwargs`` sampling) and ``global_steps``
+        ``prompts.meta_info``: ``validate`` (use ``rollout.val_kwargs`` sampling), ``greedy`` (decode
+        greedily whatever the config says: the baseline responses of ``remax``) and ``global_steps``
         (mixed into per-sample seeds when ``rollout.seed`` is set, so each step draws anew while a rerun
         draws the same; see :data:`ROW_KEY`).
         """
@@ -302,7 +308,10 @@ class AgentLoopManager:
             raise ValueError("generate_sequences got an empty batch; give at least one prompt.")
         meta = prompts.meta_info
         params = sampling_params_for(
-            self.rollout_config, self.response_length, validate=bool(meta.get("validate"))
+            self.rollout_config,
+            self.response_length,
+            validate=bool(meta.get("validate")),
+            greedy=bool(meta.get("greedy")),
         )
         seed = getattr(self.rollout_config, "seed", None)
         samples = [self._sample(prompts, i) for i in range(size)]
@@ -385,6 +394,7 @@ class AgentLoopManager:
         }
         if with_logprobs:
             tensors["rollout_log_probs"] = logprobs
+        tensors["tool_rewards"] = torch.tensor([float(o.tool_reward) for o in outputs], dtype=torch.float32)
         rewards = [o.reward for o in outputs]
         if all(r is not None for r in rewards):
             scores = torch.zeros((size, response_len), dtype=torch.float32)

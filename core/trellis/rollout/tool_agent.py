@@ -23,6 +23,11 @@ hangs or returns garbage — becomes an ``Error: ...`` tool response for the mod
 ``tool/bad_output``); the rollout never crashes on it. Tool responses longer than
 ``max_tool_response_length`` characters are cut on ``tool_response_truncate_side``. Images in tool
 responses are not shown to the model (text-only loop); they are counted in ``tool/images_dropped``.
+
+Tool rewards: the step rewards of every call, plus each opened instance's ``calc_reward`` when the sample
+ends (just before ``release``), add up to the sample's ``tool_reward``, which the score stage adds to its
+reward (``reward.tool_reward_weight``). A ``calc_reward`` that raises or overruns ``tool_timeout_s``
+counts 0 and ``tool/reward_errors``.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class ToolAgentLoop(AgentLoop):
         metrics: dict[str, float] = defaultdict(float)
         instances: dict[str, str] = {}
         model_turns = tool_turns = 0
+        tool_reward = 0.0
         try:
             while True:
                 params = dataclasses.replace(sampling_params, max_tokens=budget - len(response_ids))
@@ -108,6 +114,7 @@ class ToolAgentLoop(AgentLoop):
                 logprobs += [0.0] * len(turn)
                 tool_turns += 1
         finally:
+            tool_reward = metrics["tool/step_reward"] + await self._final_rewards(instances, metrics)
             await self._release(instances)
         metrics["agent/model_turns"] = float(model_turns)
         return AgentLoopOutput(
@@ -117,6 +124,7 @@ class ToolAgentLoop(AgentLoop):
             response_logprobs=logprobs if sampling_params.wants_logprobs else None,
             num_turns=1 + model_turns + tool_turns,
             metrics=dict(metrics),
+            tool_reward=tool_reward,
         )
 
     async def _run_calls(
@@ -176,6 +184,19 @@ class ToolAgentLoop(AgentLoop):
             return f"Error: the tool {name!r} could not start ({detail})."
         instances[name] = instance_id
         return None
+
+    async def _final_rewards(self, instances: dict[str, str], metrics: dict[str, float]) -> float:
+        """Σ ``calc_reward`` over the sample's tool instances (the trajectory-level tool rewards)."""
+        timeout = float(getattr(self.agent_config, "tool_timeout_s", 30.0))
+        total = 0.0
+        for name, instance_id in instances.items():
+            try:
+                reward = await asyncio.wait_for(self.tools[name].calc_reward(instance_id), timeout)
+                total += float(reward)
+            except Exception:  # a faulty tool costs its reward, never the rollout
+                metrics["tool/reward_errors"] += 1
+        metrics["tool/final_reward"] += total
+        return total
 
     async def _release(self, instances: dict[str, str]) -> None:
         for name, instance_id in instances.items():

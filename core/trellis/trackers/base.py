@@ -21,6 +21,11 @@ class Tracker:
         """Record ``metrics`` (name -> number) for training step ``step``."""
         raise NotImplementedError
 
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """Record validation samples (``trainer.log_val_generations``): each a dict with ``prompt``,
+        ``response`` (text) and ``score`` (number). The base class ignores them; the built-in trackers
+        write them (jsonl: ``val_generations.jsonl``; console: a table; tensorboard, wandb, mlflow)."""
+
     def finish(self) -> None:
         """Flush and release resources; called once at the end of the run."""
 

@@ -84,6 +84,19 @@ class ConsoleTracker(Tracker):
             total = f"/{self.total_steps}" if self.total_steps else ""
             self.console.print(f"step {step}{total}  {info}")
 
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """Print the validation samples as a table (prompt, response, score)."""
+        from rich.table import Table
+
+        table = Table(title=f"Validation samples, step {step}", show_lines=True)
+        for column in ("prompt", "response", "score"):
+            table.add_column(column, overflow="fold")
+        for sample in samples:
+            table.add_row(
+                str(sample.get("prompt", "")), str(sample.get("response", "")), f"{sample['score']:.4g}"
+            )
+        self.console.print(table)
+
     def finish(self) -> None:
         if self._progress is not None:
             self._progress.stop()

@@ -12,7 +12,10 @@ import math
 import os
 from typing import Any
 
+from trellis.config.base import schema_default
+from trellis.config.schema import TrainerConfig
 from trellis.trackers.base import Tracker
+from trellis.utils.settings import setting
 
 
 def _require(module: str, extra: str) -> Any:
@@ -42,8 +45,13 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _run_name(config: dict[str, Any] | None) -> tuple[str, str]:
+    """``(trainer.project_name, trainer.experiment_name)`` of a plain config dict (missing: the defaults)."""
     trainer = (config or {}).get("trainer", {}) or {}
-    return str(trainer.get("project_name", "trellis")), str(trainer.get("experiment_name", "default"))
+
+    def name(key: str) -> str:
+        return str(setting(trainer, key, schema_default(TrainerConfig, key)))
+
+    return name("project_name"), name("experiment_name")
 
 
 class TensorboardTracker(Tracker):
@@ -71,6 +79,11 @@ class TensorboardTracker(Tracker):
             self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
 
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """One Markdown table under the text tag ``val/generations``."""
+        self.writer.add_text("val/generations", _markdown(samples), global_step=step)
+        self.writer.flush()
+
     def finish(self) -> None:
         self.writer.close()
 
@@ -92,6 +105,12 @@ class WandbTracker(Tracker):
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log(_numbers(metrics), step=step)
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """A ``val/generations`` table (columns prompt, response, score)."""
+        columns = ["prompt", "response", "score"]
+        table = self.wandb.Table(columns=columns, data=[[s.get(c) for c in columns] for s in samples])
+        self.run.log({"val/generations": table}, step=step)
 
     def finish(self) -> None:
         self.run.finish()
@@ -124,5 +143,24 @@ class MlflowTracker(Tracker):
         # MLflow metric names may not contain some characters used here ("@"); replace them
         self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in _numbers(metrics).items()}, step=step)
 
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """A table artifact ``val_generations/step_<step>.json``."""
+        columns = ["prompt", "response", "score"]
+        data = {c: [s.get(c) for s in samples] for c in columns}
+        self.mlflow.log_table(data=data, artifact_file=f"val_generations/step_{step}.json")
+
     def finish(self) -> None:
         self.mlflow.end_run()
+
+
+def _markdown(samples: list[dict[str, Any]]) -> str:
+    """Samples as a Markdown table (pipes and newlines escaped)."""
+
+    def cell(value: Any) -> str:
+        return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    rows = ["| prompt | response | score |", "|---|---|---|"]
+    rows += [
+        f"| {cell(s.get('prompt'))} | {cell(s.get('response'))} | {cell(s.get('score'))} |" for s in samples
+    ]
+    return "\n".join(rows)

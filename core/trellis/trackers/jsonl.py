@@ -46,6 +46,15 @@ class JsonlTracker(Tracker):
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
 
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """Append one line per sample to ``<run_dir>/val_generations.jsonl``: ``{"step", "prompt",
+        "response", "score"}``."""
+        path = os.path.join(self.run_dir, "val_generations.jsonl")
+        with open(path, "a", encoding="utf-8") as f:
+            for sample in samples:
+                row = {"step": int(step), **{str(k): _jsonable(k, v) for k, v in sample.items()}}
+                f.write(json.dumps(row, allow_nan=False) + "\n")
+
     def finish(self) -> None:
         if not self._file.closed:
             self._file.close()

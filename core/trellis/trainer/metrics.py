@@ -23,7 +23,7 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def compute_data_metrics(batch: DataProto, max_response_length: int) -> dict[str, float]:
     """Reward, score, advantage, return, value and length statistics of a trained batch."""
-    b = batch.batch
+    b = batch.tensors
     mask = b["response_mask"].bool()
     prompt_width = b["prompts"].shape[1]
     response_length = b["attention_mask"][:, prompt_width:].sum(-1).float()
@@ -49,7 +49,7 @@ def compute_throughput_metrics(
     batch: DataProto, timings: dict[str, float], world_size: int
 ) -> dict[str, float]:
     """Tokens per second of the whole step, overall and per worker."""
-    tokens = float(batch.batch["attention_mask"].sum())
+    tokens = float(batch.tensors["attention_mask"].sum())
     step = timings.get("step", 0.0)
     if step <= 0:
         return {"perf/total_tokens": tokens}

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trellis.algorithms import objective
 from trellis.algorithms.kl import get_kl_controller, kl_penalty
 from trellis.algorithms.masked import masked_mean
 from trellis.data.protocol import DataProto
@@ -83,7 +84,11 @@ class Trainer:
         self.worker_env = dict(worker_env or {})
         self.run_dir = os.path.abspath(config.trainer.run_dir)
         self.groups: list[Any] = []
-        self.recompute_old_log_probs = not on_policy(config)
+        from trellis.config.needs import resolve_needs
+
+        self.needs = resolve_needs(config)
+        """What the estimator and the policy loss declare they need (critic.enable, ref.enable follow)."""
+        self.recompute_old_log_probs = not on_policy(config, self.needs)
         """False when the update is one gradient step on the whole batch: the old policy is then the
         current one, the actor loss uses its own log-probs (detached) as the old ones, and the extra
         forward pass is skipped (as TRL does). Set True to always recompute them."""
@@ -158,7 +163,10 @@ class Trainer:
                 )
                 self.groups.append(self.critic_wg)
         self.world_size = world
-        self.actor_wg.init_model(self.total_steps)
+        ranks = self.actor_wg.init_model(self.total_steps)
+        self.rollout_has_own_weights = not all(info["shares_weights"] for info in ranks)
+        """Whether the replicas keep their own copy of the weights: then the weights are synced into them
+        after every update, and they sleep through training when rollout.free_cache_engine is on."""
         if self.critic_wg is not None:
             self.critic_wg.init_model(self.total_steps)
 
@@ -185,6 +193,11 @@ class Trainer:
         hooks = get_plugin_manager().hook
         self._build_data()
         self._build_workers()
+        self.reward_manager = None  # reward.placement=driver: the driver scores
+        if cfg.reward.placement == "driver":
+            from trellis.trainer.workers import build_reward_manager
+
+            self.reward_manager = build_reward_manager(cfg, self.tokenizer, self.reward_fn)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
         result = TrainResult(run_dir=self.run_dir)
         self.step = 0
@@ -232,30 +245,38 @@ class Trainer:
             yield from self.loader
 
     def train_step(self, prompts: DataProto) -> dict[str, float]:
-        """One PPO step on a batch of prompts; returns its metrics."""
+        """One PPO step on a batch of prompts; returns its metrics.
+
+        Each stage is one visible call, timed where it runs (``timing/<stage>``); the objective's math
+        is in :mod:`trellis.algorithms.objective`.
+        """
         cfg = self.config
         timings: dict[str, float] = {}
+        metrics: dict[str, float] = {"training/global_step": float(self.step)}
+        prompts = self._label(prompts, f"{self.step}-")
         with marked_timer("step", timings):
-            prompts.non_tensor_batch["uid"] = np.array(
-                [f"{self.step}-{i}" for i in range(len(prompts))], dtype=object
-            )
-            prompts.meta_info["global_steps"] = self.step
             with marked_timer("generate", timings):
-                batch = self.actor_wg.generate_sequences(
-                    _numbered(prompts.repeat(cfg.rollout.n, interleave=True))
-                )
-            gen_metrics = _worker_mean(batch.meta_info.pop("metrics", {}) or {})
-            # scoring runs inside the generate call, on the workers: split its time out
-            reward_s = gen_metrics.pop("timing/reward_worker", 0.0)
-            gen_metrics.pop("timing/generate_worker", None)
-            timings["reward"] = reward_s
-            timings["generate"] -= reward_s
-            reward_metrics = self._reward_metrics(batch)
-            entropy = None
+                batch = self.actor_wg.generate_sequences(_numbered(prompts.repeat(cfg.rollout.n)))
+            metrics.update(_worker_mean(batch.meta_info.pop("metrics", {}) or {}))
+            greedy = None
+            if "reward_baselines" in self.needs:  # remax: one greedy response per prompt
+                with marked_timer("generate_baseline", timings):
+                    greedy = self.actor_wg.generate_sequences(_numbered(_greedy(prompts)))
+                greedy.meta_info.pop("metrics", None)
+            if self.rollout_has_own_weights and cfg.rollout.free_cache_engine:
+                with marked_timer("rollout_sleep", timings):
+                    self.actor_wg.sleep_rollout()
+            with marked_timer("score", timings):
+                batch, reward_metrics = self.score(batch)
+                if greedy is not None:
+                    greedy, _ = self.score(greedy)
+                    batch.tensors["reward_baselines"] = _baselines(greedy, cfg.rollout.n)
+            metrics.update(reward_metrics)
             if self.recompute_old_log_probs:
                 with marked_timer("old_log_prob", timings):
                     batch = batch.union(self.actor_wg.compute_log_prob(batch))
-                entropy = masked_mean(batch.batch["entropys"], batch.batch["response_mask"].float())
+                entropy = masked_mean(batch.tensors["entropys"], batch.tensors["response_mask"].float())
+                metrics["actor/entropy_rollout"] = float(entropy)
             if cfg.ref.enable:
                 with marked_timer("ref", timings):
                     batch = batch.union(self.actor_wg.compute_ref_log_prob(batch))
@@ -263,53 +284,72 @@ class Trainer:
                 with marked_timer("values", timings):
                     batch = batch.union(self.critic_wg.compute_values(batch))
             with marked_timer("advantage", timings):
-                algo_metrics = self._advantages(batch)
-            update_metrics: dict[str, float] = {}
+                metrics.update(self.compute_advantages(batch))
             if self.critic_wg is not None:
                 with marked_timer("update_critic", timings):
-                    update_metrics.update(M.mean_metrics(self.critic_wg.update_critic(batch)))
+                    metrics.update(M.mean_metrics(self.critic_wg.update_critic(batch)))
             with marked_timer("update_actor", timings):
-                update_metrics.update(M.mean_metrics(self.actor_wg.update_actor(batch)))
-        timings["weight_sync"] = update_metrics.pop("timing/weight_sync", 0.0)
-        metrics: dict[str, float] = {"training/global_step": float(self.step)}
+                metrics.update(M.mean_metrics(self.actor_wg.update_actor(batch)))
+            if self.rollout_has_own_weights:
+                with marked_timer("weight_sync", timings):
+                    self.actor_wg.sync_rollout_weights()
         metrics.update(M.compute_data_metrics(batch, cfg.data.max_response_length))
-        metrics.update(gen_metrics)
-        metrics.update(reward_metrics)
-        metrics.update(algo_metrics)
-        metrics.update(update_metrics)
-        if entropy is not None:
-            metrics["actor/entropy_rollout"] = float(entropy)
         metrics.update(M.compute_timing_metrics(timings))
         metrics.update(M.compute_throughput_metrics(batch, timings, self.world_size))
         metrics.update(M.peak_memory_metrics())
         return metrics
 
-    def _reward_metrics(self, batch: DataProto) -> dict[str, float]:
-        """Means of the numeric extra fields the reward function returned (``reward_extra/<field>``)."""
-        metrics = {}
+    def score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """The score stage: ``token_level_scores`` for ``batch``, computed where ``reward.placement``
+        says (the driver, or each policy worker on its share), and the reward metrics: error and
+        timeout counts summed over the workers, ``reward/tool`` (the tools' weighted reward per sample)
+        and the mean of each numeric extra field a dict reward returned (``reward_extra/<field>/mean``).
+        """
+        from trellis.reward.scoring import score_batch, sum_counts
+
+        if self.config.reward.placement == "driver":
+            scored = score_batch(
+                self.reward_manager, batch, tool_reward_weight=self.config.reward.tool_reward_weight
+            )
+        else:
+            scored = self.actor_wg.compute_scores(batch)
+        counts = sum_counts(scored.meta_info.pop("metrics", {}) or {})
+        batch = batch.union(scored)
+        metrics = {key: counts[key] for key in ("reward/errors", "reward/timeouts") if key in counts}
+        if "reward/tool_sum" in counts:
+            metrics["reward/tool"] = counts["reward/tool_sum"] / max(
+                1.0, counts.get("reward/scored", len(batch))
+            )
         for key in [k for k in batch.non_tensor_batch if k.startswith("reward_extra/")]:
             values = batch.non_tensor_batch.pop(key).astype(np.float64)
             metrics[f"{key}/mean"] = float(np.nanmean(values)) if len(values) else 0.0
-        return metrics
+        return batch, metrics
 
-    def _advantages(self, batch: DataProto) -> dict[str, float]:
+    def compute_advantages(self, batch: DataProto) -> dict[str, float]:
+        """The advantage stage (in place): ``token_level_rewards`` (with the KL penalty when
+        ``algorithm.use_kl_in_reward``), rollout correction when configured, then ``advantages`` and
+        ``returns`` from the estimator, called with exactly the inputs it declares."""
         from trellis.algorithms.rollout_correction import rollout_correction_from_config
-        from trellis.registries import get_adv_estimator_fn
 
         cfg = self.config.algorithm
-        b = batch.batch
-        mask = b["response_mask"]
+        b = batch.tensors
         metrics: dict[str, float] = {}
-        scores = b["token_level_scores"]
         if cfg.use_kl_in_reward:
-            kl = kl_penalty(b["old_log_probs"], b["ref_log_prob"], cfg.kl_penalty) * mask
             beta = self.kl_ctrl.value
-            b["token_level_rewards"] = scores - beta * kl
-            current = float(masked_mean(kl, mask.float(), axis=-1).mean())
+            b["token_level_rewards"], kl = objective.kl_in_reward(
+                b["token_level_scores"],
+                b["old_log_probs"],
+                b["ref_log_prob"],
+                b["response_mask"],
+                kl_coef=beta,
+                kl_penalty_kind=cfg.kl_penalty,
+            )
+            current = float(kl.mean())
             self.kl_ctrl.update(current, len(batch))
             metrics.update({"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta})
         else:
-            b["token_level_rewards"] = scores
+            b["token_level_rewards"] = b["token_level_scores"]
+        mask = b["response_mask"]
         if "ref_log_prob" in b and "old_log_probs" in b:
             metrics["actor/kl_ref"] = float(
                 masked_mean(kl_penalty(b["old_log_probs"], b["ref_log_prob"], "kl"), mask.float())
@@ -321,40 +361,56 @@ class Trainer:
             if weights is not None:
                 b["rollout_is_weights"] = weights
             b["response_mask"] = new_mask.to(mask.dtype)
-            mask = b["response_mask"]
             metrics.update({k: float(v) for k, v in rc_metrics.items()})  # keys carry rollout_corr/
-        estimator = get_adv_estimator_fn(cfg.adv_estimator)
-        extra = {"values": b["values"]} if "values" in b else {}
-        advantages, returns = estimator(
-            b["token_level_rewards"], mask, index=batch.non_tensor_batch["uid"], config=cfg, **extra
+        b["advantages"], b["returns"] = objective.compute_advantages(
+            cfg.adv_estimator,
+            b["token_level_rewards"],
+            b["response_mask"],
+            index=batch.non_tensor_batch["uid"],
+            config=cfg,
+            inputs={key: b[key] for key in objective.INPUT_NEEDS if key in b},
         )
-        b["advantages"], b["returns"] = advantages, returns
         return metrics
+
+    def _label(self, prompts: DataProto, prefix: str) -> DataProto:
+        """``prompts`` with a ``uid`` per prompt (its responses' group id) and the step number."""
+        prompts.non_tensor_batch["uid"] = np.array(
+            [f"{prefix}{i}" for i in range(len(prompts))], dtype=object
+        )
+        prompts.meta_info["global_steps"] = self.step
+        return prompts
 
     # ------------------------------------------------------------------ validation
 
     def _validate(self, result: TrainResult, hooks: Any, log: bool = True) -> dict[str, float]:
+        """Generate for the validation set (``rollout.val_kwargs`` sampling), score it, and report the
+        mean reward, pass@1 / pass@n and the response length; the first ``trainer.log_val_generations``
+        samples (prompt, response, score) go to every tracker's ``log_generations``."""
         from trellis.data.dataset import collate_fn
 
         cfg = self.config
         n = cfg.rollout.val_kwargs.n
         size = cfg.data.val_batch_size or len(self.val_set)
         scores, groups, lengths = [], [], []
+        samples: list[dict[str, Any]] = []
         for start in range(0, len(self.val_set), size):
             items = [self.val_set[i] for i in range(start, min(start + size, len(self.val_set)))]
             prompts = (
                 self.val_set.collate_fn(items) if hasattr(self.val_set, "collate_fn") else collate_fn(items)
             )
-            prompts.non_tensor_batch["uid"] = np.array(
-                [f"val-{start + i}" for i in range(len(items))], dtype=object
-            )
-            prompts.meta_info.update({"validate": True, "global_steps": self.step})
+            prompts = self._label(prompts, f"val-{start}-")
+            prompts.meta_info["validate"] = True
             out = self.actor_wg.generate_sequences(_numbered(prompts.repeat(n, interleave=True)))
             out.meta_info.pop("metrics", None)
-            scores.append(out.batch["token_level_scores"].sum(-1).numpy())
+            out, _ = self.score(out)
+            row_scores = out.tensors["token_level_scores"].sum(-1)
+            scores.append(row_scores.numpy())
             groups.append(out.non_tensor_batch["uid"])
-            width = out.batch["prompts"].shape[1]
-            lengths.append(out.batch["attention_mask"][:, width:].sum(-1).float().numpy())
+            width = out.tensors["prompts"].shape[1]
+            lengths.append(out.tensors["attention_mask"][:, width:].sum(-1).float().numpy())
+            wanted = cfg.trainer.log_val_generations - len(samples)
+            if wanted > 0:
+                samples += self._generations(out, row_scores, wanted)
         all_scores = np.concatenate(scores)
         pass1, passn = M.pass_at_k(all_scores, np.concatenate(groups))
         metrics = {
@@ -364,11 +420,30 @@ class Trainer:
             "val/response_length/mean": float(np.concatenate(lengths).mean()),
         }
         result.validation.append((self.step, metrics))
-        if log:
-            for tracker in getattr(self, "trackers", []):
+        for tracker in getattr(self, "trackers", []):
+            if log:
                 tracker.log(metrics, self.step)
+            if samples and hasattr(tracker, "log_generations"):
+                tracker.log_generations(samples, self.step)
         hooks.trellis_validation_end(step=self.step, metrics=metrics)
         return metrics
+
+    def _generations(self, out: DataProto, scores: torch.Tensor, limit: int) -> list[dict[str, Any]]:
+        """The first ``limit`` rows of a scored batch as ``{"prompt", "response", "score"}`` texts."""
+        b = out.tensors
+        width = b["prompts"].shape[1]
+        rows = []
+        for i in range(min(limit, len(out))):
+            prompt = b["prompts"][i][b["attention_mask"][i, :width].bool()]
+            response = b["responses"][i][b["attention_mask"][i, width:].bool()]
+            rows.append(
+                {
+                    "prompt": self.tokenizer.decode(prompt.tolist(), skip_special_tokens=True),
+                    "response": self.tokenizer.decode(response.tolist(), skip_special_tokens=True),
+                    "score": float(scores[i]),
+                }
+            )
+        return rows
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -426,6 +501,7 @@ class Trainer:
             return
         ranks = [self._checkpoints(rank, lambda: None).load(path) for rank in range(self.world_size)]
         self.actor_wg.load_state_dict([states["actor"] for states in ranks])
+        self.actor_wg.sync_rollout_weights()  # the replicas generate with the restored weights
         if self.critic_wg is not None:
             self.critic_wg.load_state_dict([states["critic"] for states in ranks])
         saved = ranks[0]["trainer"]
@@ -475,6 +551,9 @@ class Trainer:
             self._own_ray = True
 
     def _shutdown(self) -> None:
+        close = getattr(getattr(self, "reward_manager", None), "close", None)
+        if close is not None:  # the async manager's scoring processes (reward.placement=driver)
+            close()
         actor_wg = getattr(self, "actor_wg", None)
         if actor_wg is not None:  # engines of plugin replicas run processes of their own
             try:
@@ -507,14 +586,27 @@ def _numbered(batch: DataProto) -> DataProto:
     return batch
 
 
-def on_policy(config: Any) -> bool:
+def on_policy(config: Any, needs: Any = ()) -> bool:
     """Whether a step's update is exactly one optimizer step over the whole batch with nothing else
-    reading the old log-probs (no KL in the reward, no rollout correction), so they equal the
-    current policy's and need no separate forward pass."""
+    reading the old log-probs (no KL in the reward, no rollout correction, no estimator or loss that
+    declares ``old_log_probs``), so they equal the current policy's and need no separate forward pass."""
     actor, algorithm = config.actor, config.algorithm
     return (
         actor.ppo_epochs == 1
         and actor.ppo_mini_batch_size == config.data.train_batch_size
         and not algorithm.use_kl_in_reward
         and not algorithm.rollout_correction.enabled
+        and "old_log_probs" not in needs
     )
+
+
+def _greedy(prompts: DataProto) -> DataProto:
+    """``prompts`` (same uids) to be answered greedily: the baseline responses of ``remax``."""
+    greedy = prompts[list(range(len(prompts)))]
+    greedy.meta_info = {**prompts.meta_info, "greedy": True}
+    return greedy
+
+
+def _baselines(greedy: DataProto, n: int) -> torch.Tensor:
+    """``reward_baselines`` (bs·n,): each greedy response's score, repeated for the prompt's n samples."""
+    return greedy.tensors["token_level_scores"].sum(-1).repeat_interleave(n)

@@ -21,11 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trellis._config import config_value
-from trellis.algorithms.aggregation import agg_loss
-from trellis.algorithms.kl import kl_penalty
-from trellis.algorithms.masked import masked_mean
-from trellis.config.loader import to_dict
+from trellis.utils.settings import config_value
+from trellis.algorithms import objective
 from trellis.data.protocol import DataProto
 from trellis.distributed import Dispatch, Worker, register
 
@@ -131,18 +128,9 @@ class ActorRolloutRefWorker(_Role):
         self.agents = AgentLoopManager(
             cfg.rollout, [self.replica], self.tokenizer, response_length=cfg.data.max_response_length
         )
-        from trellis.registries import reward_managers
-
-        self.reward_manager = reward_managers.get(cfg.reward.manager)(
-            self.tokenizer,
-            compute_score=self.reward_fn if self.reward_fn is not None else cfg.reward.function,
-            reward_fn_key=cfg.data.reward_fn_key,
-            timeout_seconds=cfg.reward.timeout_seconds,
-            num_workers=cfg.reward.num_workers,
-            **dict(cfg.reward.function_kwargs or {}),
-        )
-        actor_cfg = to_dict(cfg.actor)
-        self.loss_config = {k: v for k, v in actor_cfg.items() if k not in ("optim", "offload")}
+        self.reward_manager = None
+        if cfg.reward.placement == "workers":
+            self.reward_manager = build_reward_manager(cfg, self.tokenizer, self.reward_fn)
         from trellis.registries import get_policy_loss_fn
 
         self.policy_loss = get_policy_loss_fn(cfg.actor.policy_loss)
@@ -180,36 +168,41 @@ class ActorRolloutRefWorker(_Role):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Responses to this rank's prompts (agent loops over its replica), scored.
+        """Responses to this rank's prompts (agent loops over its replica), unscored.
 
-        Scores go to ``token_level_scores`` (the agent loop's own ``rm_scores`` when it gave them,
-        else the reward manager's, computed here so scoring runs on every rank in parallel). Reward
-        metrics join ``meta_info["metrics"]``; numeric extra fields of dict rewards become columns
-        ``reward_extra/<field>``.
+        Wakes the replica first when :meth:`sleep_rollout` put it to sleep (e.g. a validation right
+        after a training rollout). The agent loops' metrics are in ``meta_info["metrics"]``.
         """
-        start = time.perf_counter()
-        if self._rollout_asleep:  # e.g. validation right after a training rollout
+        if self._rollout_asleep:
             asyncio.run(_wake(self.replica))
             self._rollout_asleep = False
-        batch = self.agents.generate_sequences(prompts)
-        if self._sleeps_between_rollouts():  # KV cache (and on GPUs the weights) back to training
+        return self.agents.generate_sequences(prompts)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sleep_rollout(self) -> bool:
+        """Put the replica to sleep when it holds its own weights and ``rollout.free_cache_engine`` is on
+        (its KV cache, and on GPUs its weights, go back to training); the next weight sync wakes it.
+        Returns whether it sleeps."""
+        if self._sleeps_between_rollouts() and not self._rollout_asleep:
             asyncio.run(self.replica.sleep())
             self._rollout_asleep = True
-        metrics = dict(batch.meta_info.get("metrics") or {})
-        metrics["timing/generate_worker"] = time.perf_counter() - start
-        start = time.perf_counter()
-        if "rm_scores" in batch.batch:
-            batch.batch["token_level_scores"] = batch.batch["rm_scores"]
-        else:
-            out = self.reward_manager(batch, return_dict=True)
-            batch.batch["token_level_scores"] = out["reward_tensor"]
-            metrics.update(out.get("metrics", {}))
-            for key, values in out.get("reward_extra_info", {}).items():
-                if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-                    batch.non_tensor_batch[f"reward_extra/{key}"] = np.array(values, dtype=np.float64)
-        metrics["timing/reward_worker"] = time.perf_counter() - start
-        batch.meta_info["metrics"] = metrics
-        return batch
+        return self._rollout_asleep
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_scores(self, batch: DataProto) -> DataProto:
+        """``token_level_scores`` of this rank's responses (``reward.placement: workers``); see
+        :func:`trellis.reward.scoring.score_batch`. The counts in ``meta_info["metrics"]`` are this
+        rank's: the driver adds them up."""
+        from trellis.reward.scoring import score_batch
+
+        if self.reward_manager is None:
+            raise RuntimeError(
+                "compute_scores runs on the workers only with reward.placement=workers; this run scores "
+                "in the driver."
+            )
+        return score_batch(
+            self.reward_manager, batch, tool_reward_weight=self.config.reward.tool_reward_weight
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -230,46 +223,34 @@ class ActorRolloutRefWorker(_Role):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, data: DataProto) -> dict[str, float]:
-        """PPO epochs of the policy loss over this rank's share of the batch; then the replica's weights."""
+        """PPO epochs of the policy loss over this rank's share of the batch (no weight sync: that is
+        the trainer's next stage, :meth:`sync_rollout_weights`)."""
         cfg = self.config
         data.meta_info.setdefault("temperature", cfg.rollout.temperature)
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world_size
-        metrics = self._update(
-            self.actor, data, self._actor_loss, cfg.actor, cfg.actor.ppo_epochs, max(1, mini)
-        )
-        metrics["timing/weight_sync"] = self.sync_rollout_weights()
-        return metrics
+        return self._update(self.actor, data, self._actor_loss, cfg.actor, cfg.actor.ppo_epochs, max(1, mini))
 
     def _actor_loss(self, outputs: dict[str, torch.Tensor], micro: DataProto, info: dict[str, Any]) -> Any:
+        """The objective's actor loss on one micro-batch (``objective.actor_loss``)."""
         cfg = self.config.actor
-        batch = micro.batch
-        mask = batch["response_mask"].to(torch.float32)
-        log_prob = outputs["log_probs"]
-        weights = batch.get("rollout_is_weights", None)
-        loss_cfg = {**self.loss_config, "global_batch_info": info}
-        # on-policy steps skip the old-log-prob pass: the policy before this update is the current one
-        old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
-        pg_loss, pg_metrics = self.policy_loss(
-            old_log_prob, log_prob, batch["advantages"], mask, cfg.loss_agg_mode, loss_cfg, weights
+        batch = micro.tensors
+        return objective.actor_loss(
+            outputs["log_probs"],
+            batch.get("old_log_probs", None),  # absent on an on-policy step: π_old is the current policy
+            batch["advantages"],
+            batch["response_mask"],
+            policy_loss=self.policy_loss,
+            loss_agg_mode=cfg.loss_agg_mode,
+            global_batch_info=info,
+            config=cfg,
+            entropy=outputs.get("entropy"),
+            entropy_coeff=cfg.entropy_coeff,
+            ref_log_prob=batch.get("ref_log_prob", None),
+            kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0,
+            kl_loss_type=cfg.kl_loss_type,
+            rollout_is_weights=batch.get("rollout_is_weights", None),
+            inputs={key: batch[key] for key in objective.INPUT_NEEDS if key in batch},
         )
-        metrics = {k: v for k, v in pg_metrics.items()}
-        # the loss is this micro-batch's share of the global mean; as a metric, its own mean
-        share = (
-            float(mask.sum()) * info.get("dp_size", 1) / max(1.0, float(info.get("batch_num_tokens") or 1))
-        )
-        metrics["actor/pg_loss"] = pg_loss.detach() / max(share, 1e-12)
-        loss = pg_loss
-        entropy = outputs.get("entropy")
-        if entropy is not None:
-            metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
-            if cfg.entropy_coeff:
-                loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **info)
-        if cfg.use_kl_loss:
-            kl = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
-            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **info)
-            loss = loss + cfg.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = masked_mean(kl.detach(), mask)
-        return loss, metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def state_dict(self) -> dict[str, Any]:
@@ -278,9 +259,8 @@ class ActorRolloutRefWorker(_Role):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE)
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's actor state, then refresh the replica's weights."""
+        """Restore this rank's actor state (the trainer then syncs the replica's weights)."""
         self.actor.load_state_dict(state)
-        self.sync_rollout_weights()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -314,24 +294,18 @@ class CriticWorker(_Role):
         return self._update(self.critic, data, self._critic_loss, cfg.critic, epochs, max(1, mini))
 
     def _critic_loss(self, outputs: dict[str, torch.Tensor], micro: DataProto, info: dict[str, Any]) -> Any:
-        from trellis.algorithms.policy_loss import compute_value_loss
-
+        """The objective's critic loss on one micro-batch (``objective.critic_loss``)."""
         cfg = self.config.critic
-        batch = micro.batch
-        mask = batch["response_mask"].to(torch.float32)
-        loss, metrics = compute_value_loss(
+        batch = micro.tensors
+        return objective.critic_loss(
             outputs["values"],
             batch["returns"],
             batch["values"],
-            mask,
-            cfg.cliprange_value,
-            cfg.loss_agg_mode,
-            {"global_batch_info": info},
+            batch["response_mask"],
+            cliprange_value=cfg.cliprange_value,
+            loss_agg_mode=cfg.loss_agg_mode,
+            global_batch_info=info,
         )
-        metrics = dict(metrics)
-        metrics["critic/vf_loss"] = loss.detach()
-        metrics["critic/vpred_mean"] = masked_mean(outputs["values"].detach(), mask)
-        return loss, metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def state_dict(self) -> dict[str, Any]:
@@ -340,6 +314,20 @@ class CriticWorker(_Role):
     @register(dispatch_mode=Dispatch.DP_COMPUTE)
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.critic.load_state_dict(state)
+
+
+def build_reward_manager(config: Any, tokenizer: Any, reward_fn: Any = None) -> Any:
+    """The reward manager ``reward.manager`` names, built from the run's config (driver or worker)."""
+    from trellis.registries import reward_managers
+
+    return reward_managers.get(config.reward.manager)(
+        tokenizer,
+        compute_score=reward_fn if reward_fn is not None else config.reward.function,
+        reward_fn_key=config.data.reward_fn_key,
+        timeout_seconds=config.reward.timeout_seconds,
+        num_workers=config.reward.num_workers,
+        **dict(config.reward.function_kwargs or {}),
+    )
 
 
 async def _wake(replica: Any) -> None:
