@@ -704,5 +704,6 @@ def test_tensors_is_the_batch_or_a_clear_error():
 
     data = DataProto.from_dict({"x": torch.ones(2, 3)}, {"uid": ["a", "b"]})
     assert data.tensors is data.batch
-    with pytest.raises(DataProtoError, match=r"holds no tensors \(batch is None; non-tensor keys: \['uid'\]\)"):
+    message = r"holds no tensors \(batch is None; non-tensor keys: \['uid'\]\)"
+    with pytest.raises(DataProtoError, match=message):
         DataProto.from_dict(non_tensors={"uid": ["a", "b"]}).tensors  # noqa: B018

@@ -213,6 +213,8 @@ class Flaky(BaseTool):
             return "not a tuple"
         if mode == "long":
             return ToolResponse(text="x" * 50 + "y" * 50), 0.5, {"flaky/long": 1}
+        if mode == "image":
+            return ToolResponse(text="a chart", image=["img-1", "img-2"]), 0.0, {}
         return ToolResponse(text=f"echo {self.state(instance_id)['secret']}"), 1.0, {}
 
     async def release(self, instance_id, **kwargs):
@@ -504,3 +506,10 @@ def test_greedy_meta_info_decodes_greedily_whatever_the_config_says(tok):
     data.meta_info["greedy"] = True
     generate(RolloutConfig(temperature=0.9, top_p=0.8, top_k=5, max_tokens=8), [replica], tok, data)
     assert {(r[2].temperature, r[2].top_p, r[2].top_k) for r in replica.requests} == {(0.0, 1.0, -1)}
+
+
+def test_images_a_text_only_loop_cannot_show_are_counted(tok):
+    replica = ScriptedReplica(tok, [call("flaky", mode="image"), "ok"])
+    out, _ = generate(config(), [replica], tok, batch(1, "tool_agent"), {"flaky": Flaky()})
+    assert "<tool_response>\na chart\n</tool_response>" in tok.decode(out.batch["responses"][0])
+    assert out.meta_info["metrics"]["tool/images_dropped"] == 2.0

@@ -630,3 +630,94 @@ def test_a_hanging_reward_times_out_and_the_step_goes_on(tmp_path, placement):
     assert metrics["reward/timeouts"] == 1.0 and metrics["reward/errors"] == 1.0
     assert metrics["score/min"] == 0.0 and metrics["score/max"] == 1.0  # the hung one scored 0
     assert metrics["timing/score"] < 5.0  # the 0.5 s limit, not the 60 s sleep
+
+
+# ---------------------------------------------------------------- every objective knob reaches the objective
+
+BONUS_REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    return bonus
+"""
+
+
+def test_the_objective_knobs_reach_the_objective(tmp_path, monkeypatch):
+    """One short PPO run with every objective knob off its default; each stage's call is recorded."""
+    from trellis.algorithms import objective, rollout_correction
+    from trellis.algorithms.kl import AdaptiveKLController
+    from trellis.algorithms.policy_loss import compute_policy_loss_cispo
+    from trellis.reward.managers import BatchRewardManager
+    from trellis.trainer import Trainer, workers
+
+    calls = {}
+
+    def record(module, name):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.setdefault(name, []).append((args, kwargs))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for name in ("actor_loss", "critic_loss", "compute_advantages", "kl_in_reward"):
+        record(objective, name)
+    record(workers, "mini_batches")
+    record(rollout_correction, "rollout_correction_from_config")
+    reward = tmp_path / "bonus.py"
+    reward.write_text(BONUS_REWARD)
+    from trellis.config import load_config
+
+    overrides = [*preset_overrides("tiny"), *QUICK, f"trainer.run_dir={tmp_path / 'run'}"]
+    overrides += ["trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    overrides += [
+        "algorithm.adv_estimator=gae", "algorithm.gamma=0.9", "algorithm.lam=0.8",
+        "algorithm.norm_adv_by_std_in_grpo=false", "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_penalty=abs",
+        "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05",
+        "algorithm.kl_ctrl.target_kl=0.2", "algorithm.kl_ctrl.horizon=500",
+        "rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=3.0",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=5.0",
+        "actor.ppo_epochs=2", "actor.ppo_mini_batch_size=4", "actor.shuffle=true", "actor.clip_ratio=0.3",
+        "actor.clip_ratio_low=0.1", "actor.clip_ratio_high=0.4", "actor.clip_ratio_c=5.0",
+        "actor.loss_agg_mode=seq-mean-token-sum", "actor.policy_loss=cispo",
+        "actor.policy_loss_kwargs={tau_pos: 2.0}", "actor.entropy_coeff=0.5", "actor.use_kl_loss=true",
+        "actor.kl_loss_coef=0.25", "actor.kl_loss_type=k2",
+        "critic.ppo_epochs=3", "critic.ppo_mini_batch_size=2", "critic.shuffle=true",
+        "critic.cliprange_value=0.3", "critic.loss_agg_mode=seq-mean-token-mean",
+        "reward.manager=batch", f"reward.function={reward}:score", "reward.function_kwargs={bonus: 0.5}",
+        "reward.placement=driver", "reward.num_workers=2",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(None, overrides))
+    metrics = trainer.fit().history[0]
+
+    actor_args, actor = calls["actor_loss"][0]
+    assert (
+        actor["policy_loss"] is compute_policy_loss_cispo and actor["loss_agg_mode"] == "seq-mean-token-sum"
+    )
+    assert (actor["entropy_coeff"], actor["kl_loss_coef"], actor["kl_loss_type"]) == (0.5, 0.25, "k2")
+    settings = actor["config"]
+    assert (settings.clip_ratio, settings.clip_ratio_low, settings.clip_ratio_high) == (0.3, 0.1, 0.4)
+    assert settings.clip_ratio_c == 5.0 and settings.policy_loss_kwargs == {"tau_pos": 2.0}
+    assert actor["ref_log_prob"] is not None and actor_args[1] is not None  # ref on; 2 epochs: old log-probs
+    critic = calls["critic_loss"][0][1]
+    assert (critic["cliprange_value"], critic["loss_agg_mode"]) == (0.3, "seq-mean-token-mean")
+    estimator, advantage = calls["compute_advantages"][0]
+    assert estimator[0] == "gae" and "values" in advantage["inputs"]
+    algorithm = advantage["config"]
+    assert (algorithm.gamma, algorithm.lam, algorithm.norm_adv_by_std_in_grpo) == (0.9, 0.8, False)
+    assert calls["kl_in_reward"][0][1] == {"kl_coef": 0.05, "kl_penalty_kind": "abs"}
+    assert isinstance(trainer.kl_ctrl, AdaptiveKLController)
+    assert (trainer.kl_ctrl.target, trainer.kl_ctrl.horizon) == (0.2, 500)
+    # mini-batches: the critic's 3 epochs of 2 prompts × 4 responses, then the actor's 2 of 4 × 4, shuffled
+    cut = [(args[1], kwargs["shuffle"]) for args, kwargs in calls["mini_batches"]]
+    assert cut == [(8, True)] * 3 + [(16, True)] * 2
+    rc = calls["rollout_correction_from_config"][0][0][3].rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize) == ("token", 3.0, True)
+    assert (rc.rollout_rs, rc.rollout_rs_threshold) == ("token_k1", 5.0)
+    assert "rollout_corr/is_weight_mean" in metrics
+    assert isinstance(trainer.reward_manager, BatchRewardManager) and trainer.reward_manager.num_workers == 2
+    assert metrics["score/mean"] == 0.5  # function_kwargs reached the reward function
+    assert metrics["timing/ref"] > 0 and metrics["timing/values"] > 0

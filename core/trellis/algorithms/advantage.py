@@ -28,9 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from trellis.utils.settings import config_value
 from trellis.algorithms.masked import masked_sum, masked_whiten
+from trellis.config.base import schema_default
+from trellis.config.schema import AlgorithmConfig
 from trellis.registries import requires
+from trellis.utils.settings import config_value
 
 __all__ = [
     "compute_gae_advantage_return",
@@ -46,6 +48,11 @@ __all__ = [
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _setting(config: Any, key: str) -> Any:
+    """``key`` of ``config`` (None, a dict or an AlgorithmConfig); missing: the schema's default."""
+    return config_value(config, key, schema_default(AlgorithmConfig, key))
 
 
 def _epsilon(config: Any, extra: dict[str, Any]) -> float:
@@ -156,8 +163,8 @@ def compute_gae_advantage_return(
             f"{tuple(token_level_rewards.shape)}; got {getattr(values, 'shape', type(values).__name__)}."
         )
     values = values.to(token_level_rewards.dtype)
-    gamma = float(config_value(config, "gamma", 1.0))
-    lam = float(config_value(config, "lam", 1.0))
+    gamma = float(_setting(config, "gamma"))
+    lam = float(_setting(config, "lam"))
 
     keep = mask.bool()
     bs, T = token_level_rewards.shape
@@ -207,7 +214,7 @@ def compute_grpo_outcome_advantage(
     inverse, groups = _group_ids(name, index, scores.shape[0], scores.device)
     _, mean, std = _group_stats(scores, inverse, len(groups))
     scores = scores - mean[inverse]  # R_i − mean_g
-    if config_value(config, "norm_adv_by_std_in_grpo", True):
+    if _setting(config, "norm_adv_by_std_in_grpo"):
         scores = scores / (std[inverse] + _epsilon(config, extra))  # (R_i − mean_g) / (std_g + ε)
     advantages = _broadcast(scores, mask)
     return advantages, advantages
@@ -261,7 +268,7 @@ def compute_grpo_passk_outcome_advantage(
     second = torch.full((n_groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
     second = second.scatter_reduce(0, inverse, torch.where(winner, neg_inf, scores), "amax")  # R_second
     margin = best - second  # R_max − R_second
-    if config_value(config, "norm_adv_by_std_in_grpo", True):
+    if _setting(config, "norm_adv_by_std_in_grpo"):
         # A margin of 0 stays 0 even when std_g + ε is 0 (all scores tied, ε = 0).
         margin = torch.where(margin == 0, margin, margin / (std + _epsilon(config, extra)))
     advantages = _broadcast(torch.where(winner, margin[inverse], torch.zeros_like(scores)), mask)
@@ -392,7 +399,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     """
     name = "reinforce_plus_plus"
     mask = _check_inputs(name, token_level_rewards, response_mask)
-    gamma = float(config_value(config, "gamma", 1.0))
+    gamma = float(_setting(config, "gamma"))
     keep = mask.bool()
     zero = torch.zeros((), dtype=token_level_rewards.dtype, device=token_level_rewards.device)
     returns = torch.zeros_like(token_level_rewards)

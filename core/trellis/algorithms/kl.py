@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from trellis.config.base import schema_default
+from trellis.config.schema import KLControlConfig
 from trellis.utils.settings import config_value
 
 __all__ = [
@@ -142,18 +144,19 @@ _CONTROLLER_TYPES = ("fixed", "adaptive")
 def get_kl_controller(config: Any) -> FixedKLController | AdaptiveKLController:
     """Build the controller a ``KLControlConfig`` (or a dict / object with the same keys) describes.
 
-    Keys: ``type`` (``fixed`` | ``adaptive``, default fixed), ``kl_coef`` (default 0.001), and for
-    adaptive ``target_kl`` (default 0.1) and ``horizon`` (default 10000).
+    Keys: ``type`` (``fixed`` | ``adaptive``), ``kl_coef``, and for adaptive ``target_kl`` and
+    ``horizon``; a missing key takes ``KLControlConfig``'s default (fixed, 0.001, 0.1, 10000).
 
     Raises:
         ValueError: unknown ``type``, or invalid values (see the controllers).
     """
-    kind = config_value(config, "type", "fixed")
-    kl_coef = config_value(config, "kl_coef", 0.001)
+
+    def setting(key: str) -> Any:
+        return config_value(config, key, schema_default(KLControlConfig, key))
+
+    kind, kl_coef = setting("type"), setting("kl_coef")
     if kind == "fixed":
         return FixedKLController(kl_coef)
     if kind == "adaptive":
-        return AdaptiveKLController(
-            kl_coef, config_value(config, "target_kl", 0.1), config_value(config, "horizon", 10000)
-        )
+        return AdaptiveKLController(kl_coef, setting("target_kl"), setting("horizon"))
     raise ValueError(f"Unknown KL controller type {kind!r}. Valid types: {', '.join(_CONTROLLER_TYPES)}.")

@@ -25,7 +25,12 @@ supported: attempting it raises a RuntimeError that says so.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
 import torch
+
+_Outputs = tuple[torch.Tensor | None, torch.Tensor | None]
 
 # Bytes of one float32 chunk (chunk rows × vocab × 4) when ``chunk_size`` is None. At most
 # three such buffers are alive at once, so the temporaries stay under ~25 MB whatever the
@@ -67,8 +72,8 @@ def logprobs_from_logits(
             ``[0, V)``, a chunk size below 1, ``inplace_backward`` on a leaf tensor.
     """
     flat_labels = _check(logits, labels, chunk_size, inplace_backward, "logprobs_from_logits")
-    logprobs, _ = _LogSoftmaxStats.apply(logits, flat_labels, chunk_size, True, False, inplace_backward)
-    return logprobs.view(logits.shape[:-1])
+    logprobs, _ = _stats(logits, flat_labels, chunk_size, True, False, inplace_backward)
+    return cast(torch.Tensor, logprobs).view(logits.shape[:-1])
 
 
 def entropy_from_logits(
@@ -84,8 +89,8 @@ def entropy_from_logits(
         ``(...)`` float32 entropies (float64 for float64 logits), ``logits.shape[:-1]``.
     """
     _check(logits, None, chunk_size, inplace_backward, "entropy_from_logits")
-    _, entropy = _LogSoftmaxStats.apply(logits, None, chunk_size, False, True, inplace_backward)
-    return entropy.view(logits.shape[:-1])
+    _, entropy = _stats(logits, None, chunk_size, False, True, inplace_backward)
+    return cast(torch.Tensor, entropy).view(logits.shape[:-1])
 
 
 def logprobs_and_entropy_from_logits(
@@ -100,8 +105,15 @@ def logprobs_and_entropy_from_logits(
     both outputs' gradients, written once. Args, returns and errors as the two functions.
     """
     flat_labels = _check(logits, labels, chunk_size, inplace_backward, "logprobs_and_entropy_from_logits")
-    logprobs, entropy = _LogSoftmaxStats.apply(logits, flat_labels, chunk_size, True, True, inplace_backward)
-    return logprobs.view(logits.shape[:-1]), entropy.view(logits.shape[:-1])
+    logprobs, entropy = _stats(logits, flat_labels, chunk_size, True, True, inplace_backward)
+    return cast(torch.Tensor, logprobs).view(logits.shape[:-1]), cast(torch.Tensor, entropy).view(
+        logits.shape[:-1]
+    )
+
+
+def _stats(*args: Any) -> _Outputs:
+    """``_LogSoftmaxStats.apply``, typed: torch's stubs leave ``Function.apply`` untyped."""
+    return cast(Callable[..., _Outputs], _LogSoftmaxStats.apply)(*args)
 
 
 def _check(
@@ -145,8 +157,8 @@ def _check(
     if labels.device != logits.device:
         raise ValueError(f"{name}: labels are on {labels.device} but logits on {logits.device}.")
     if labels.numel() > 0:
-        low, high = labels.aminmax()
-        low, high = int(low), int(high)  # one device sync for both bounds
+        bounds = labels.aminmax()
+        low, high = int(bounds.min), int(bounds.max)  # one device sync for both bounds
         if low < 0 or high >= vocab:
             bad = low if low < 0 else high
             raise ValueError(
@@ -169,7 +181,7 @@ def _row_blocks(x: torch.Tensor) -> list[torch.Tensor]:
         return [block for sub in x.unbind(0) for block in _row_blocks(sub)]
 
 
-def _chunks(x: torch.Tensor, chunk_size: int):
+def _chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield ``(row_start, rows)`` over ``x`` (..., V): ``rows`` a ``(<= chunk_size, V)`` view."""
     start = 0
     for block in _row_blocks(x):
@@ -200,7 +212,15 @@ class _LogSoftmaxStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, chunk_size, want_logprobs, want_entropy, inplace_backward):
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor | None,
+        chunk_size: int | None,
+        want_logprobs: bool,
+        want_entropy: bool,
+        inplace_backward: bool,
+    ) -> _Outputs:
         vocab = logits.shape[-1]
         rows_total = logits.numel() // vocab
         chunk_size = chunk_size or default_chunk_size(vocab)
@@ -216,16 +236,16 @@ class _LogSoftmaxStats(torch.autograd.Function):
             z = rows if rows.dtype == compute else workspace.get("z", n).copy_(rows)
             top = z.amax(dim=-1, keepdim=True)
             shifted = torch.sub(z, top, out=workspace.get("shifted", n))  # y = z − max z <= 0
-            if want_logprobs:
+            if logprobs is not None and labels is not None:
                 label_shifted = shifted.gather(-1, labels[start:stop, None]).squeeze(-1)
             exp = torch.exp(shifted, out=workspace.get("exp", n)) if want_entropy else shifted.exp_()
             total = exp.sum(dim=-1)  # Σ e^y;  logsumexp(z) = max z + log Σ e^y
             log_total = total.log()
             torch.add(top.squeeze(-1), log_total, out=lse[start:stop])
-            if want_logprobs:
+            if logprobs is not None:
                 # log p(y) = y_label − log Σ e^y
                 torch.sub(label_shifted, log_total, out=logprobs[start:stop])
-            if want_entropy:
+            if entropy is not None and mean_z is not None:
                 # E_p[y] = Σ e^y y / Σ e^y;  H = log Σ e^y − E_p[y]. A −inf logit has e^y = 0;
                 # clamping y to the dtype's minimum makes its term 0 instead of 0·(−inf) = NaN.
                 mean_y = exp.mul_(shifted.clamp_(min=fmin)).sum(dim=-1).div_(total)
@@ -237,12 +257,15 @@ class _LogSoftmaxStats(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(
+        ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         create_graph = torch.is_grad_enabled()  # only under backward(create_graph=True)
         with torch.no_grad():
             grad = _gradient(ctx, grad_logprobs, grad_entropy)
         if create_graph and grad is not None:
-            grad = _NoDoubleBackward.apply(grad.detach().requires_grad_())
+            no_double = cast(Callable[[torch.Tensor], torch.Tensor], _NoDoubleBackward.apply)
+            grad = no_double(grad.detach().requires_grad_())
         return grad, None, None, None, None, None
 
 
@@ -250,20 +273,23 @@ class _NoDoubleBackward(torch.autograd.Function):
     """Identity on the gradient that raises if the gradient itself is differentiated."""
 
     @staticmethod
-    def forward(ctx, grad):
+    def forward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.view_as(grad)
 
     @staticmethod
-    def backward(ctx, _):
+    def backward(ctx: Any, _: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(
             "trellis.algorithms.logprobs: double backward (differentiating the gradient of "
             "logprobs_from_logits / entropy_from_logits, e.g. after create_graph=True) is not supported."
         )
 
 
-def _gradient(ctx, grad_logprobs, grad_entropy):
+def _gradient(
+    ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None
+) -> torch.Tensor | None:
     """∂(Σ g_lp·log p(y) + Σ g_H·H)/∂logits, chunk by chunk; None when neither output has a gradient."""
-    logits, labels, lse, mean_z = ctx.saved_tensors
+    saved: tuple[torch.Tensor, ...] = ctx.saved_tensors  # ctx is torch's untyped FunctionCtx
+    logits, labels, lse, mean_z = saved
     if grad_logprobs is None and grad_entropy is None:
         return None
     vocab, rows_total, compute = logits.shape[-1], lse.shape[0], lse.dtype
@@ -292,6 +318,7 @@ def _gradient(ctx, grad_logprobs, grad_entropy):
             z = out = workspace.get("z", n).copy_(rows)  # the upcast copy doubles as output
         lse_rows = lse[start:stop, None]
         if grad_entropy is None:
+            assert grad_logprobs is not None  # the early return above: at least one has a gradient
             # g·(onehot(y) − p): first −g·p, into `out` directly
             torch.sub(z, lse_rows, out=out).exp_().mul_(grad_logprobs[start:stop].neg())
         else:

@@ -173,7 +173,7 @@ def actor_loss(
     available = {"ref_log_prob": ref_log_prob, **dict(inputs or {})}
     extra = declared_inputs(fn, available, "policy loss")
     mask = response_mask.to(torch.float32)
-    info = dict(global_batch_info)
+    info = global_batch_info
 
     pg_loss, pg_metrics = fn(
         old,

@@ -36,9 +36,11 @@ from typing import Any
 
 import torch
 
-from trellis.utils.settings import config_value
 from trellis.algorithms.aggregation import GlobalBatchInfo, agg_loss
 from trellis.algorithms.masked import masked_mean
+from trellis.config.base import schema_default
+from trellis.config.schema import ActorConfig
+from trellis.utils.settings import config_value
 
 LOG_RATIO_BOUND = 20.0
 """|log r| is clamped to this before exp: r stays within [e^-20, e^20]."""
@@ -69,7 +71,7 @@ def _setting(config: Any, key: str, default: Any) -> Any:
 
 def _clip_bounds(config: Any) -> tuple[float, float]:
     """(ε_low, ε_high): clip_ratio_low / clip_ratio_high, each defaulting to clip_ratio (0.2)."""
-    clip_ratio = _setting(config, "clip_ratio", 0.2)
+    clip_ratio = _setting(config, "clip_ratio", schema_default(ActorConfig, "clip_ratio"))
     return _setting(config, "clip_ratio_low", clip_ratio), _setting(config, "clip_ratio_high", clip_ratio)
 
 
@@ -174,7 +176,7 @@ def compute_policy_loss_vanilla(
         ValueError: clip_ratio_c <= 1.
     """
     clip_low, clip_high = _clip_bounds(config)
-    clip_c = _setting(config, "clip_ratio_c", 3.0)
+    clip_c = _setting(config, "clip_ratio_c", schema_default(ActorConfig, "clip_ratio_c"))
     if clip_c <= 1.0:
         raise ValueError(
             f"clip_ratio_c={clip_c!r}: the dual-clip bound must be > 1 (3.0 is usual); below 1 it would "

@@ -264,7 +264,7 @@ def _importance_weights(
         units = kept_responses
     lower, upper = band
     metrics: dict[str, float] = {}
-    if lower is not None:  # IcePop band: w = ρ if lower <= ρ <= upper else 0
+    if lower is not None and upper is not None:  # IcePop band: w = ρ if lower <= ρ <= upper else 0
         inside = (raw >= lower) & (raw <= upper)
         metrics["is_zeroed_frac"] = masked_mean((~inside).to(raw.dtype), units).item()
         weights = torch.where(inside, raw, torch.zeros_like(raw))

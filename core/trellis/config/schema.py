@@ -638,8 +638,9 @@ class RolloutCorrectionConfig(BaseConfig):
             parts = list(value)
         else:
             parts = [value]
-        bounds = [RolloutCorrectionConfig._number(part) for part in parts]
-        if len(bounds) > 2 or any(bound is None for bound in bounds):
+        numbers = [RolloutCorrectionConfig._number(part) for part in parts]
+        bounds = [bound for bound in numbers if bound is not None]
+        if len(bounds) > 2 or len(bounds) != len(numbers):
             raise error(key, value, f"must be {forms}")
         if any(not bound > 0 for bound in bounds):  # `not > 0` also catches NaN
             raise error(key, value, "must hold bounds > 0 (weights are ratios of probabilities)")
@@ -702,8 +703,9 @@ class RolloutCorrectionConfig(BaseConfig):
             parts = list(value)
         else:
             parts = [value]
-        thresholds = [RolloutCorrectionConfig._number(part) for part in parts]
-        if not thresholds or any(threshold is None for threshold in thresholds):
+        numbers = [RolloutCorrectionConfig._number(part) for part in parts]
+        thresholds = [threshold for threshold in numbers if threshold is not None]
+        if not thresholds or len(thresholds) != len(numbers):
             raise error(key, value, f"must be {forms}")
         if len(thresholds) not in (1, count):
             raise error(
@@ -908,6 +910,8 @@ class TrellisConfig(BaseConfig):
         # One step's prompts split into whole mini-batches; one mini-batch's responses split evenly
         # over the data-parallel devices; with dynamic batching, one full-length sample must fit.
         mini, n, prompts = cfg.ppo_mini_batch_size, self.rollout.n, self.data.train_batch_size
+        if mini is None:  # the critic's is derived from the actor's in finalize, before this runs
+            raise ConfigValueError(f"{role}.ppo_mini_batch_size", mini, "must be set")
         if prompts % mini:
             raise ConfigValueError(
                 f"{role}.ppo_mini_batch_size",

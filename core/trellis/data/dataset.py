@@ -49,7 +49,8 @@ def read_rows(path: str) -> list[dict[str, Any]]:
             if extension == ".parquet":
                 import pyarrow.parquet as pq
 
-                return pq.read_table(handle).to_pylist()
+                rows: list[dict[str, Any]] = pq.read_table(handle).to_pylist()
+                return rows
             lines = handle.read().decode("utf-8").splitlines()
     except FileNotFoundError as exc:
         raise DatasetError(f"Dataset file {path!r} does not exist.") from exc
@@ -89,7 +90,7 @@ def _messages(prompt: Any, where: str, column: str, wrap_text: bool) -> list[dic
     return [dict(message) for message in prompt]
 
 
-class RLDataset(torch.utils.data.Dataset):
+class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
     """Prompts for RL training, tokenized with the chat template, one dict per sample.
 
     Args:
@@ -251,7 +252,7 @@ def pad_id(tokenizer: Any) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ValueError("The tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
-    return pad
+    return int(pad)
 
 
 def collate_fn(samples: Sequence[dict[str, Any]], pad_token_id: int = 0) -> Any:

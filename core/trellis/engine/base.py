@@ -246,7 +246,7 @@ class TrainingEngine:
         for group in groups:
             if not group:  # a zero-weight pass, so this rank joins the others' collectives
                 outputs = self._run_micro_batch(data[[0]].to(self.device), compute_entropy)
-                (sum(out.sum() for out in outputs.values()) * 0.0).backward()
+                torch.stack([out.sum() for out in outputs.values()]).sum().mul(0.0).backward()
                 continue
             micro = data[group].to(self.device)
             outputs = self._run_micro_batch(micro, compute_entropy)
@@ -352,20 +352,22 @@ class TrainingEngine:
         Raises:
             EngineError: a ``ref`` engine; the model or optimizer state is offloaded.
         """
-        self._require_trainable("optimizer_step")
+        optimizer, lr_scheduler = self._require_trainable("optimizer_step")
         self._require_on_device("optimizer_step", optimizer=True)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        grad_norm = self._full(torch.nn.utils.get_total_norm([p.grad for p in params], 2.0))
+        lr = float(optimizer.param_groups[0]["lr"])
+        grad_norm = self._full(
+            torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
+        )
         stepped = bool(torch.isfinite(grad_norm))
         if stepped:
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, grad_norm)
-            self.optimizer.step()
+            optimizer.step()
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped first step makes torch warn of the call order
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-            self.lr_scheduler.step()
+            lr_scheduler.step()
         self.global_step += 1
         return {"grad_norm": float(grad_norm), "lr": lr, "stepped": stepped}
 
@@ -455,20 +457,20 @@ class TrainingEngine:
                     "load_state_dict: the state holds no optimizer state, but this engine trains."
                 )
             self._load_optimizer_state(state["optimizer"])
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self._require_trainable("load_state_dict")[1].load_state_dict(state["lr_scheduler"])
         self.global_step = int(state["global_step"])
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
     def _optimizer_state(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        return self._require_trainable("state_dict")[0].state_dict()
 
     def _load_model_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state, strict=True)
 
     def _load_optimizer_state(self, state: Mapping[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
+        self._require_trainable("load_state_dict")[0].load_state_dict(dict(state))
 
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, whole tensor)`` for every entry of the model's state dict, Hugging Face names.
@@ -529,12 +531,16 @@ class TrainingEngine:
             raise ValueError(f"{where}: the batch is empty; give every rank at least one row.")
         return batch
 
-    def _require_trainable(self, where: str) -> None:
-        if self.optimizer is None:
+    def _require_trainable(
+        self, where: str
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """The optimizer and lr schedule of an engine that trains."""
+        if self.optimizer is None or self.lr_scheduler is None:
             raise EngineError(
                 f"{where}: this {self.role!r} engine runs forward passes only (it has no optimizer). Build "
                 "it with role='actor' or role='critic' to train."
             )
+        return self.optimizer, self.lr_scheduler
 
     def _require_on_device(self, where: str, *, optimizer: bool = False) -> None:
         if not _same_device(self._model_device, self.device):
@@ -602,10 +608,12 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 def _enable_checkpointing(module: torch.nn.Module) -> None:
     """Recompute each transformer block's activations in backward (non-reentrant checkpoints)."""
     kwargs = {"use_reentrant": False}
-    if hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    enable: Any = getattr(module, "activation_checkpointing_enable", None)  # transformers >= 5.2x
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
     else:
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable = getattr(module, "gradient_checkpointing_enable")  # noqa: B009 - a PreTrainedModel's
+        enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from trellis.config.base import schema_default
+from trellis.config.schema import DataConfig, RewardConfig
 from trellis.data.protocol import DataProto
 from trellis.errors import TrellisError
 from trellis.reward.resolve import resolve_reward_function
@@ -85,10 +87,10 @@ class _RewardManager:
         self,
         tokenizer: Any,
         compute_score: str | Callable[..., Any] | None = None,
-        reward_fn_key: str = "data_source",
+        reward_fn_key: str = schema_default(DataConfig, "reward_fn_key"),
         num_examine: int = 0,
-        timeout_seconds: float | None = 60.0,
-        num_workers: int = 1,
+        timeout_seconds: float | None = schema_default(RewardConfig, "timeout_seconds"),
+        num_workers: int = schema_default(RewardConfig, "num_workers"),
         **function_kwargs: Any,
     ):
         if timeout_seconds is not None and not timeout_seconds > 0:
@@ -382,6 +384,9 @@ class AsyncRewardManager(_RewardManager):
         self.max_concurrency = max_concurrency
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._is_async = inspect.iscoroutinefunction(self.compute_score)
+        # what a worker process needs to score: a name or reference (with kwargs) it resolves itself,
+        # or the function, pickled
+        self._payload: tuple[str | None, dict[str, Any]] | Callable[..., Any] | None
         if self._is_async:
             self._payload = None
         elif self.function_spec is None or isinstance(self.function_spec, str):

@@ -49,10 +49,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from trellis.config.base import schema_default
+from trellis.config.schema import AgentConfig, RolloutConfig
 from trellis.data.dataset import pad_id
 from trellis.data.protocol import DataProto
 from trellis.rollout.sampling import SamplingParams, TokenOutput
 from trellis.utils.coroutines import run_coroutine
+from trellis.utils.settings import setting
 
 ROW_KEY = "__row__"
 """Optional column: each row's position in the whole batch. Per-sample seeds mix it in instead of the
@@ -195,7 +198,7 @@ class AgentLoop(abc.ABC):
                 "data.return_raw_chat: true (sample columns present: "
                 f"{', '.join(sorted(sample))})."
             )
-        if _is_messages(messages) and (tools or "raw_prompt_ids" not in sample):
+        if messages is not None and _is_messages(messages) and (tools or "raw_prompt_ids" not in sample):
             return self.chat_template().prompt_ids(list(messages), tools)
         ids = sample.get("raw_prompt_ids")
         if ids is None:
@@ -211,6 +214,16 @@ class AgentLoop(abc.ABC):
         if getattr(self, "_chat", None) is None:
             self._chat = ChatTemplate(self.tokenizer)
         return self._chat
+
+
+def rollout_setting(rollout_config: Any, key: str) -> Any:
+    """``key`` of a rollout config (a ``RolloutConfig``, a dict or None); missing: the schema's default."""
+    return setting(rollout_config, key, schema_default(RolloutConfig, key))
+
+
+def agent_setting(agent_config: Any, key: str) -> Any:
+    """``key`` of ``rollout.agent`` (an ``AgentConfig``, a dict or None); missing: the schema's default."""
+    return setting(agent_config, key, schema_default(AgentConfig, key))
 
 
 def _is_messages(value: Any) -> bool:
@@ -240,7 +253,7 @@ def sampling_params_for(
         top_p=float(source.top_p) if sample else 1.0,
         top_k=int(source.top_k) if sample else -1,
         max_tokens=int(max_tokens),
-        logprobs=bool(getattr(rollout_config, "calculate_log_probs", False)),
+        logprobs=bool(rollout_setting(rollout_config, "calculate_log_probs")),
     )
 
 
@@ -269,17 +282,18 @@ class AgentLoopManager:
         self.router = ReplicaRouter(replicas)
         self.tokenizer = tokenizer
         agent = getattr(rollout_config, "agent", None)
-        self.default_agent_loop = getattr(agent, "default_agent_loop", "single_turn")
+        self.default_agent_loop = agent_setting(agent, "default_agent_loop")
         if tools is None:
-            path = getattr(agent, "tool_config_path", None)
+            path = agent_setting(agent, "tool_config_path")
             tools = load_tool_config(path) if path else {}
         self.tools = dict(tools)
-        self.response_length = response_length or getattr(rollout_config, "max_tokens", None)
-        if not self.response_length:
+        length = response_length or getattr(rollout_config, "max_tokens", None)
+        if not length:
             raise ValueError(
                 "AgentLoopManager needs a response length: set rollout.max_tokens or pass response_length "
                 "(data.max_response_length)."
             )
+        self.response_length: int = int(length)
         self.pad_token_id = pad_id(tokenizer)
         self._loop_classes: dict[str, type] = {}
 
@@ -396,12 +410,13 @@ class AgentLoopManager:
             tensors["rollout_log_probs"] = logprobs
         tensors["tool_rewards"] = torch.tensor([float(o.tool_reward) for o in outputs], dtype=torch.float32)
         rewards = [o.reward for o in outputs]
-        if all(r is not None for r in rewards):
+        given = [r for r in rewards if r is not None]
+        if len(given) == len(rewards):
             scores = torch.zeros((size, response_len), dtype=torch.float32)
-            for i, o in enumerate(outputs):
+            for i, reward in enumerate(given):
                 model_tokens = response_mask[i].nonzero().flatten()
                 if len(model_tokens):
-                    scores[i, int(model_tokens[-1])] = float(o.reward)
+                    scores[i, int(model_tokens[-1])] = float(reward)
             tensors["rm_scores"] = scores
         elif any(r is not None for r in rewards):
             gave = sorted({names[i] for i, r in enumerate(rewards) if r is not None})

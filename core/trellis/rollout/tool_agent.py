@@ -38,7 +38,7 @@ import dataclasses
 from collections import defaultdict
 from typing import Any
 
-from trellis.rollout.agent_loop import AgentLoop, AgentLoopOutput
+from trellis.rollout.agent_loop import AgentLoop, AgentLoopOutput, agent_setting
 from trellis.rollout.sampling import SamplingParams
 from trellis.rollout.tool_parser import FunctionCall, get_tool_parser
 from trellis.tools.base import call_tool
@@ -69,9 +69,9 @@ class ToolAgentLoop(AgentLoop):
 
     async def run(self, sampling_params: SamplingParams, **sample: Any) -> AgentLoopOutput:
         cfg = self.agent_config
-        max_turns = getattr(cfg, "max_turns", None)
-        max_calls = int(getattr(cfg, "max_parallel_calls", 1))
-        parser = get_tool_parser(getattr(cfg, "tool_parser", "hermes"))
+        max_turns = agent_setting(cfg, "max_turns")
+        max_calls = int(agent_setting(cfg, "max_parallel_calls"))
+        parser = get_tool_parser(agent_setting(cfg, "tool_parser"))
         chat = self.chat_template()
         prompt_ids = self.prompt_ids(sample, tools=list(self.tools.values()))
         budget = sampling_params.max_tokens
@@ -136,9 +136,9 @@ class ToolAgentLoop(AgentLoop):
     ) -> list[str]:
         """Each call's reply text (errors included), calls of one turn run concurrently."""
         cfg = self.agent_config
-        timeout = float(getattr(cfg, "tool_timeout_s", 30.0))
-        limit = int(getattr(cfg, "max_tool_response_length", 256))
-        side = getattr(cfg, "tool_response_truncate_side", "middle")
+        timeout = float(agent_setting(cfg, "tool_timeout_s"))
+        limit = int(agent_setting(cfg, "max_tool_response_length"))
+        side = agent_setting(cfg, "tool_response_truncate_side")
         replies: list[str | None] = [None] * len(calls)
         jobs = []
         for i, call in enumerate(calls):  # instances are opened one by one, before any call runs
@@ -166,8 +166,8 @@ class ToolAgentLoop(AgentLoop):
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     metrics[key] += float(value)
             metrics["tool/step_reward"] += float(step_reward)
-            if getattr(response, "images", None):
-                metrics["tool/images_dropped"] += len(response.images)
+            if response.image:  # a text-only loop cannot show them
+                metrics["tool/images_dropped"] += len(response.image)
             replies[i] = response.text or ""
         return [truncate(r or "", limit, side) for r in replies]
 
@@ -187,7 +187,7 @@ class ToolAgentLoop(AgentLoop):
 
     async def _final_rewards(self, instances: dict[str, str], metrics: dict[str, float]) -> float:
         """Σ ``calc_reward`` over the sample's tool instances (the trajectory-level tool rewards)."""
-        timeout = float(getattr(self.agent_config, "tool_timeout_s", 30.0))
+        timeout = float(agent_setting(self.agent_config, "tool_timeout_s"))
         total = 0.0
         for name, instance_id in instances.items():
             try:

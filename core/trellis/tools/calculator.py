@@ -211,6 +211,8 @@ class _Parser:
     def _round(x: Number, digits: Number = Fraction(0)) -> Number:
         if isinstance(digits, float) or digits.denominator != 1 or abs(digits) > 100:
             raise CalculatorError("round() digits must be a small integer")
+        if isinstance(x, Fraction):
+            return round(x, int(digits))
         value = round(x, int(digits))
         return Fraction(value) if isinstance(value, int) else value
 
@@ -266,7 +268,7 @@ class CalculatorTool(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
-        expression = parameters.get("expression")
+        expression: Any = parameters.get("expression")  # from the model: evaluate() checks it is a str
         max_length = int(self.config.get("max_length", 1000))
         try:
             if isinstance(expression, str) and len(expression) > max_length:

@@ -177,6 +177,7 @@ def run_sandboxed(
             os.chown(os.path.join(workdir, "main.py"), NOBODY, NOBODY)
         if use_ns:
             unshare = shutil.which("unshare", path="/usr/bin:/bin:/usr/sbin:/sbin")
+            assert unshare is not None  # namespaces_available() found it
             argv = [unshare, *_UNSHARE, "-S", str(NOBODY), "-G", str(NOBODY), "--", python, "-I", "-c", _INIT]
         else:
             argv = [python, "-I", "main.py"]

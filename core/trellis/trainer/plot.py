@@ -12,9 +12,9 @@ def plot_reward_curve(
     path: str, train: Sequence[tuple[int, float | None]], val: Sequence[tuple[int, float | None]]
 ) -> str | None:
     """Draw the curves into ``path``; returns it, or None when there is no point to draw."""
-    train = [(s, v) for s, v in train if v is not None]
-    val = [(s, v) for s, v in val if v is not None]
-    if not train and not val:
+    train_points = [(s, v) for s, v in train if v is not None]
+    val_points = [(s, v) for s, v in val if v is not None]
+    if not train_points and not val_points:
         return None
     import matplotlib
 
@@ -22,12 +22,14 @@ def plot_reward_curve(
     from matplotlib import pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    if train:
-        ax.plot([s for s, _ in train], [v for _, v in train], label="train reward (mean)", color="tab:blue")
-    if val:
+    if train_points:
+        steps, values = zip(*train_points, strict=True)
+        ax.plot(steps, values, label="train reward (mean)", color="tab:blue")
+    if val_points:
+        steps, values = zip(*val_points, strict=True)
         ax.plot(
-            [s for s, _ in val],
-            [v for _, v in val],
+            steps,
+            values,
             label="validation reward",
             color="tab:orange",
             marker="o",

@@ -114,7 +114,11 @@ class Trainer:
             raise ValueError("data.train_files is empty: give the parquet/jsonl files of training prompts.")
         self.train_set = RLDataset(list(cfg.data.train_files), self.tokenizer, **kwargs)
         self.loader = PromptLoader(
-            self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
+            self.train_set,
+            cfg.data.train_batch_size,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.data.seed,
+            num_workers=cfg.data.dataloader_num_workers,
         )
         self.val_set = (
             RLDataset(list(cfg.data.val_files), self.tokenizer, **kwargs) if cfg.data.val_files else None
@@ -315,7 +319,9 @@ class Trainer:
             scored = self.actor_wg.compute_scores(batch)
         counts = sum_counts(scored.meta_info.pop("metrics", {}) or {})
         batch = batch.union(scored)
-        metrics = {key: counts[key] for key in ("reward/errors", "reward/timeouts") if key in counts}
+        metrics: dict[str, float] = {
+            k: counts[k] for k in ("reward/errors", "reward/timeouts") if k in counts
+        }
         if "reward/tool_sum" in counts:
             metrics["reward/tool"] = counts["reward/tool_sum"] / max(
                 1.0, counts.get("reward/scored", len(batch))
@@ -386,18 +392,16 @@ class Trainer:
         """Generate for the validation set (``rollout.val_kwargs`` sampling), score it, and report the
         mean reward, pass@1 / pass@n and the response length; the first ``trainer.log_val_generations``
         samples (prompt, response, score) go to every tracker's ``log_generations``."""
-        from trellis.data.dataset import collate_fn
-
         cfg = self.config
+        val_set = self.val_set
+        if val_set is None:
+            raise RuntimeError("_validate: this run has no validation data (data.val_files is empty).")
         n = cfg.rollout.val_kwargs.n
-        size = cfg.data.val_batch_size or len(self.val_set)
+        size = cfg.data.val_batch_size or len(val_set)
         scores, groups, lengths = [], [], []
         samples: list[dict[str, Any]] = []
-        for start in range(0, len(self.val_set), size):
-            items = [self.val_set[i] for i in range(start, min(start + size, len(self.val_set)))]
-            prompts = (
-                self.val_set.collate_fn(items) if hasattr(self.val_set, "collate_fn") else collate_fn(items)
-            )
+        for start in range(0, len(val_set), size):
+            prompts = val_set.collate_fn([val_set[i] for i in range(start, min(start + size, len(val_set)))])
             prompts = self._label(prompts, f"val-{start}-")
             prompts.meta_info["validate"] = True
             out = self.actor_wg.generate_sequences(_numbered(prompts.repeat(n, interleave=True)))

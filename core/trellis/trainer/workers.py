@@ -16,15 +16,18 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from trellis.utils.settings import config_value
 from trellis.algorithms import objective
+from trellis.algorithms.aggregation import GlobalBatchInfo
 from trellis.data.protocol import DataProto
 from trellis.distributed import Dispatch, Worker, register
+
+if TYPE_CHECKING:
+    from trellis.checkpoint.sync import WeightSyncManager
 
 
 def _join_process_group(rank: int, world_size: int) -> None:
@@ -64,7 +67,7 @@ class _Role(Worker):
         from trellis.registries import training_engines
 
         _join_process_group(self.rank, self.world_size)
-        engine_cls = training_engines.get(config_value(role_config, "engine", "single"))
+        engine_cls = training_engines.get(role_config.engine)
         return engine_cls(
             self.config.model,
             role_config,
@@ -79,7 +82,7 @@ class _Role(Worker):
     ) -> dict[str, float]:
         """PPO epochs over mini-batches: one optimizer step per mini-batch; metrics averaged."""
         totals: dict[str, list[float]] = {}
-        shuffle = bool(config_value(role_config, "shuffle", False))
+        shuffle = bool(role_config.shuffle)
         step = engine.global_step
         for epoch in range(epochs):
             parts = mini_batches(
@@ -100,6 +103,8 @@ class _Role(Worker):
 
 class ActorRolloutRefWorker(_Role):
     """The policy's worker: trains the actor, generates with its rollout replica, scores with the ref."""
+
+    _weight_sync: WeightSyncManager | None = None  # built by the first weight sync, kept for the run
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_steps: int | None = None) -> dict[str, Any]:
@@ -144,7 +149,7 @@ class ActorRolloutRefWorker(_Role):
         from trellis.checkpoint.sync import WeightSyncManager
 
         start = time.perf_counter()
-        if getattr(self, "_weight_sync", None) is None:  # one engine pair for the whole run
+        if self._weight_sync is None:  # one engine pair for the whole run
             self._weight_sync = WeightSyncManager(self.config.rollout.checkpoint_engine)
         # the sync wakes the replica (weights first), loads every bucket, then resumes it
         asyncio.run(self._weight_sync.sync(self.actor.iter_full_params(), [self.replica]))
@@ -159,7 +164,7 @@ class ActorRolloutRefWorker(_Role):
     def release_rollout(self) -> None:
         """Shut this rank's replica down (a backend's engine process, server, ...) and the sync engines."""
         replica, self.replica = getattr(self, "replica", None), None
-        sync, self._weight_sync = getattr(self, "_weight_sync", None), None
+        sync, self._weight_sync = self._weight_sync, None
         if sync is not None:
             sync.close()
         shutdown = getattr(replica, "shutdown", None)
@@ -214,6 +219,8 @@ class ActorRolloutRefWorker(_Role):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` of the responses under the frozen reference policy."""
+        if self.ref is None:
+            raise RuntimeError("compute_ref_log_prob: this run has no reference model (ref.enable is false).")
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         out = self.ref.forward(data)
         return DataProto.from_dict(tensors={"ref_log_prob": out["log_probs"]})
@@ -230,7 +237,7 @@ class ActorRolloutRefWorker(_Role):
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world_size
         return self._update(self.actor, data, self._actor_loss, cfg.actor, cfg.actor.ppo_epochs, max(1, mini))
 
-    def _actor_loss(self, outputs: dict[str, torch.Tensor], micro: DataProto, info: dict[str, Any]) -> Any:
+    def _actor_loss(self, outputs: dict[str, torch.Tensor], micro: DataProto, info: GlobalBatchInfo) -> Any:
         """The objective's actor loss on one micro-batch (``objective.actor_loss``)."""
         cfg = self.config.actor
         batch = micro.tensors
@@ -293,7 +300,7 @@ class CriticWorker(_Role):
         )
         return self._update(self.critic, data, self._critic_loss, cfg.critic, epochs, max(1, mini))
 
-    def _critic_loss(self, outputs: dict[str, torch.Tensor], micro: DataProto, info: dict[str, Any]) -> Any:
+    def _critic_loss(self, outputs: dict[str, torch.Tensor], micro: DataProto, info: GlobalBatchInfo) -> Any:
         """The objective's critic loss on one micro-batch (``objective.critic_loss``)."""
         cfg = self.config.critic
         batch = micro.tensors
