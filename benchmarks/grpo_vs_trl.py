@@ -67,7 +67,7 @@ from _common import smollm2_or_note  # benchmarks/_common.py: the script's own f
 
 RESULT_TAG = "GRPO_VS_TRL_RESULT "
 LR, WEIGHT_DECAY, BETAS, GRAD_CLIP, SEED = 1e-6, 0.01, (0.9, 0.999), 1.0, 1
-TRELLIS_STAGES = ("generate", "reward", "old_log_prob", "advantage", "update_actor", "weight_sync")
+TRELLIS_STAGES = ("generate", "score", "old_log_prob", "advantage", "update_actor", "weight_sync")
 
 
 def questions(n: int, seed: int = 0) -> list[tuple[list[dict[str, str]], str]]:

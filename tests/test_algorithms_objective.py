@@ -125,19 +125,8 @@ def test_on_policy_old_log_probs_are_the_current_ones():
     torch.testing.assert_close(grad, -advantages * MASK / 5)
 
 
-def test_global_batch_info_scales_the_loss_and_the_metric_stays_the_micro_batch_mean():
-    log_prob, old, _, advantages, _ = _case()
-    info = {"dp_size": 2, "batch_num_tokens": 20, "global_batch_size": 8}
-    local, _ = objective.actor_loss(
-        log_prob,
-        old,
-        advantages,
-        MASK,
-        policy_loss="vanilla",
-        loss_agg_mode="token-mean",
-        global_batch_info=INFO,
-    )
-    share, metrics = objective.actor_loss(
+def _vanilla(log_prob, old, advantages, info):
+    return objective.actor_loss(
         log_prob,
         old,
         advantages,
@@ -145,6 +134,14 @@ def test_global_batch_info_scales_the_loss_and_the_metric_stays_the_micro_batch_
         policy_loss="vanilla",
         loss_agg_mode="token-mean",
         global_batch_info=info,
+    )
+
+
+def test_global_batch_info_scales_the_loss_and_the_metric_stays_the_micro_batch_mean():
+    log_prob, old, _, advantages, _ = _case()
+    local, _ = _vanilla(log_prob, old, advantages, INFO)
+    share, metrics = _vanilla(
+        log_prob, old, advantages, {"dp_size": 2, "batch_num_tokens": 20, "global_batch_size": 8}
     )
     _approx(share, float(local) * 5 / 20 * 2)  # Σ over this micro-batch / N_global × dp
     _approx(metrics["actor/pg_loss"], float(local))
