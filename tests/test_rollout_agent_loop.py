@@ -513,3 +513,34 @@ def test_images_a_text_only_loop_cannot_show_are_counted(tok):
     out, _ = generate(config(), [replica], tok, batch(1, "tool_agent"), {"flaky": Flaky()})
     assert "<tool_response>\na chart\n</tool_response>" in tok.decode(out.batch["responses"][0])
     assert out.meta_info["metrics"]["tool/images_dropped"] == 2.0
+
+
+def test_rollouts_of_several_workers_are_repadded_to_one_batch(tok):
+    from trellis.errors import DataProtoError
+    from trellis.rollout.agent_loop import concat_rollouts
+
+    questions = ["Hi", "What is 2 + 2? Think it through.", "Add 3 and 4.", "x"]
+    data = DataProto.from_dict(
+        non_tensors={"raw_prompt": [[{"role": "user", "content": q}] for q in questions]}
+    )
+
+    class ByPrompt(ScriptedReplica):
+        """Answers long for long prompts, so the two halves differ in prompt and response width."""
+
+        async def generate(self, prompt_ids, sampling_params, request_id):
+            text = "a much longer answer to a longer question" if len(prompt_ids) > 14 else "ok"
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            return TokenOutput(ids, [-0.5] * len(ids), "stop")
+
+    whole, _ = generate(config(), [ByPrompt(tok, ["ok"])], tok, data)
+    halves = [generate(config(), [ByPrompt(tok, ["ok"])], tok, data[rows])[0] for rows in ([0, 3], [1, 2])]
+    assert halves[0].batch["prompts"].shape[1] < halves[1].batch["prompts"].shape[1]
+    assert halves[0].batch["responses"].shape[1] < halves[1].batch["responses"].shape[1]
+    with pytest.raises(DataProtoError, match="prompts"):  # what gathering shards used to do
+        DataProto.concat(halves)
+    merged = concat_rollouts(halves)
+    order = [0, 3, 1, 2]
+    for key in whole.batch.keys():  # noqa: SIM118 - iterating a TensorDict walks its rows
+        assert torch.equal(merged.batch[key], whole.batch[key][order]), key
+    assert merged.meta_info["pad_token_id"] == tok.pad_token_id
+    assert concat_rollouts(halves[:1]) is halves[0]

@@ -721,3 +721,45 @@ def test_the_objective_knobs_reach_the_objective(tmp_path, monkeypatch):
     assert isinstance(trainer.reward_manager, BatchRewardManager) and trainer.reward_manager.num_workers == 2
     assert metrics["score/mean"] == 0.5  # function_kwargs reached the reward function
     assert metrics["timing/ref"] > 0 and metrics["timing/values"] > 0
+
+
+def _uneven_prompts(tmp_path):
+    """A data set whose prompts differ in length by up to ~30 tokens, so every worker's shard pads
+    to its own width."""
+    rows = []
+    for i in range(12):
+        words = " ".join(["more"] * ((i * 7) % 13))
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"Write digits: {i} {words}"}],
+                "data_source": "digits",
+                "reward_model": {"ground_truth": "digits"},
+            }
+        )
+    path = tmp_path / "uneven.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_ray_workers_gather_shards_of_uneven_width_for_more_than_an_epoch(tmp_path, ray_cluster, workers):
+    data = _uneven_prompts(tmp_path)
+    common = [*QUICK, f"data.train_files=[{data}]", "data.train_batch_size=6", "actor.ppo_mini_batch_size=6"]
+    common += ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false"]
+    common += [
+        "data.shuffle=false",
+        "data.max_prompt_length=96",
+    ]  # 2 steps an epoch: step 3 starts the second
+    local = run(tmp_path, *common, name="local")
+    remote = run(
+        tmp_path, *common, "trainer.executor=ray", f"trainer.n_devices_per_node={workers}",
+        "actor.engine=fsdp", name=f"ray{workers}",
+    )  # fmt: skip
+    assert remote.steps == 3
+    first = remote.history[0]
+    assert first["prompt_length/max"] - first["prompt_length/min"] >= 8
+    # the same prompts, seeds and (up to float rounding) weights: the same responses and rewards
+    assert [m["reward/mean"] for m in remote.history] == pytest.approx(
+        [m["reward/mean"] for m in local.history], abs=1e-6
+    )
+    shutil.rmtree(tmp_path / f"ray{workers}", ignore_errors=True)

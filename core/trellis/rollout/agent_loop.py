@@ -434,7 +434,76 @@ class AgentLoopManager:
             columns[key] = column
         meta = dict(prompts.meta_info)
         meta["metrics"] = _metrics(outputs)
+        meta[PAD_ID_KEY] = pad
         return DataProto.from_dict(tensors=tensors, non_tensors=columns, meta_info=meta)
+
+
+PAD_ID_KEY = "pad_token_id"
+"""``meta_info`` key of a rollout batch: the id its prompts and responses are padded with."""
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+"""Rollout tensors ``(bs, P + R)``: the left-padded prompt, then the right-padded response."""
+
+
+def concat_rollouts(parts: Sequence[DataProto]) -> DataProto:
+    """Rollout batches of several workers as one, each re-padded to the widest prompt and response.
+
+    Every worker pads its share to its own longest prompt ``P_k`` and response ``R_k``, so the parts
+    differ in width and plain concatenation fails. Here ``prompts`` is left-padded to ``P = max P_k``
+    with the pad id; ``responses`` and every other ``(bs, R_k)`` tensor (``response_mask``,
+    ``rollout_log_probs``, ``rm_scores``, ...) are right-padded to ``R = max R_k`` (the pad id for
+    ``responses``, 0 for the rest); ``input_ids`` and ``attention_mask`` are re-joined from their
+    padded halves and ``position_ids`` recomputed from the mask, as :class:`AgentLoopManager` builds
+    them. The result equals what one worker would have produced for all the rows.
+
+    Raises:
+        ValueError: a part lacks ``prompts`` / ``responses``, or a tensor has neither width.
+    """
+    parts = list(parts)
+    if len(parts) == 1:
+        return parts[0]
+    prompt_width = max(part.tensors["prompts"].shape[1] for part in parts)
+    response_width = max(part.tensors["responses"].shape[1] for part in parts)
+    padded = [_repad(part, prompt_width, response_width) for part in parts]
+    merged = DataProto.concat(padded)
+    mask = merged.tensors["attention_mask"]
+    if "position_ids" in merged.tensors:
+        merged.tensors["position_ids"] = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    return merged
+
+
+def _repad(part: DataProto, prompt_width: int, response_width: int) -> DataProto:
+    tensors = part.tensors
+    pad = int(part.meta_info.get(PAD_ID_KEY, 0))
+    p, r = tensors["prompts"].shape[1], tensors["responses"].shape[1]
+    grow_p, grow_r = prompt_width - p, response_width - r
+    if not grow_p and not grow_r:
+        return part
+
+    def left(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (grow_p, 0), value=value)
+
+    def right(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, grow_r), value=value)
+
+    out: dict[str, torch.Tensor] = {}
+    for key in tensors.keys():  # noqa: SIM118 - iterating a TensorDict walks its rows, not its keys
+        t = tensors[key]
+        if key == "prompts":
+            out[key] = left(t, pad)
+        elif key in SEQUENCE_KEYS:
+            value = pad if key == "input_ids" else 0
+            out[key] = torch.cat([left(t[:, :p], value), right(t[:, p:], value)], dim=1)
+        elif t.dim() >= 2 and t.shape[1] == r:
+            out[key] = right(t, pad if key == "responses" else 0)
+        elif t.dim() == 1:
+            out[key] = t
+        else:
+            raise ValueError(
+                f"concat_rollouts: tensor {key!r} of shape {tuple(t.shape)} is neither per sample, per "
+                f"response token ({r}) nor prompt + response ({p + r}); cannot re-pad it."
+            )
+    return DataProto.from_dict(tensors=out, non_tensors=part.non_tensor_batch, meta_info=part.meta_info)
 
 
 def _metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:

@@ -25,6 +25,7 @@ from trellis.algorithms import objective
 from trellis.algorithms.aggregation import GlobalBatchInfo
 from trellis.data.protocol import DataProto
 from trellis.distributed import Dispatch, Worker, register
+from trellis.distributed.dispatch import get_dispatch_mode
 
 if TYPE_CHECKING:
     from trellis.checkpoint.sync import WeightSyncManager
@@ -55,6 +56,20 @@ def mini_batches(data: DataProto, size: int, *, shuffle: bool, seed: int) -> lis
     if shuffle:
         order = np.random.default_rng(seed).permutation(len(data))
     return [data[order[i : i + size].tolist()] for i in range(0, len(data), size)]
+
+
+def _collect_rollouts(group: Any, outputs: list[DataProto]) -> DataProto:
+    from trellis.rollout.agent_loop import concat_rollouts
+
+    return concat_rollouts(outputs)
+
+
+ROLLOUT_DISPATCH = {
+    "dispatch_fn": get_dispatch_mode(Dispatch.DP_COMPUTE_PROTO)[0],
+    "collect_fn": _collect_rollouts,
+}
+"""Prompts split over the workers like ``DP_COMPUTE_PROTO``; their rollouts, each padded to its own
+longest prompt and response, re-padded to the widest before they are joined."""
 
 
 class _Role(Worker):
@@ -171,7 +186,7 @@ class ActorRolloutRefWorker(_Role):
         if shutdown is not None:
             asyncio.run(shutdown())
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=ROLLOUT_DISPATCH)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses to this rank's prompts (agent loops over its replica), unscored.
 
