@@ -1,13 +1,15 @@
 """The PPO / GRPO trainer: one controller driving the policy and critic worker groups.
 
-One step (DESIGN.md's data flow)::
+One step (DESIGN.md's data flow), each stage a visible call of :meth:`Trainer.train_step`::
 
-    prompts -> n responses each (agent loops on the rollout replicas)
-      -> rewards (reward manager, or the agent loop's own)
+    generate (agent loops on the rollout replicas; remax: + a greedy baseline) -> rollout sleep
+      -> score (reward manager + tool rewards, where reward.placement says)
       -> old log-probs (actor), reference log-probs (ref), values (critic)
-      -> KL in the reward (algorithm.use_kl_in_reward) -> rollout correction (if configured)
-      -> advantages (algorithm.adv_estimator) -> critic update -> actor update
-      -> weights to the replicas -> metrics, trackers, hooks -> checkpoint (every save_freq steps)
+      -> advantages (KL in the reward, rollout correction, the estimator with what it declares)
+      -> critic update -> actor update -> weight sync -> metrics, trackers, hooks
+      -> checkpoint (every save_freq steps, in fit)
+
+The math of each stage is in :mod:`trellis.algorithms.objective`.
 
 The same code runs with ``trainer.executor=local`` (one process) and ``ray`` (one actor per worker;
 ``nnodes x n_devices_per_node`` workers, the policy and the critic each in their own group).

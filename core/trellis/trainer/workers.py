@@ -2,7 +2,10 @@
 
 Both run unchanged in a :class:`~trellis.distributed.LocalWorkerGroup` (one process) or a
 :class:`~trellis.distributed.RayWorkerGroup` (one actor per device; ``torch.distributed`` joined in
-``init_model``). Batches arrive split over the data-parallel ranks (``DP_COMPUTE_PROTO``).
+``init_model``). Batches arrive split over the data-parallel ranks (``DP_COMPUTE_PROTO``); rollouts
+are gathered re-padded to the widest shard (``ROLLOUT_DISPATCH``). Each method is one stage of the
+trainer's step: generating, sleeping the replica, scoring, log-probs, values, updates and the weight
+sync are separate calls, so none hides inside another.
 
 Generation: every rank owns one rollout replica and runs the agent loops for its share of the
 prompts. With the ``single`` engine and the ``hf`` replica in hybrid mode, the replica serves the
