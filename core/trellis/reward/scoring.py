@@ -42,11 +42,7 @@ def score_batch(manager: Any, batch: DataProto, *, tool_reward_weight: float = 1
     """
     metrics: dict[str, float] = {"reward/errors": 0.0, "reward/timeouts": 0.0}
     columns: dict[str, np.ndarray] = {}
-    tensors = batch.batch
-    if tensors is None:
-        raise ValueError(
-            "score_batch: the batch has no tensors; it needs the generate stage's responses and response_mask"
-        )
+    tensors = batch.tensors  # a DataProtoError naming the missing tensors when there are none
     if "rm_scores" in tensors:
         scores = tensors["rm_scores"].to(torch.float32).clone()
     else:

@@ -325,9 +325,7 @@ class Trainer:
             k: counts[k] for k in ("reward/errors", "reward/timeouts") if k in counts
         }
         if "reward/tool_sum" in counts:
-            metrics["reward/tool"] = counts["reward/tool_sum"] / max(
-                1.0, counts.get("reward/scored", len(batch))
-            )
+            metrics["reward/tool"] = counts["reward/tool_sum"] / max(1.0, counts["reward/scored"])
         for key in [k for k in batch.non_tensor_batch if k.startswith("reward_extra/")]:
             values = batch.non_tensor_batch.pop(key).astype(np.float64)
             metrics[f"{key}/mean"] = float(np.nanmean(values)) if len(values) else 0.0
