@@ -112,7 +112,7 @@ training_engines: Registry[type] = Registry(
     "training engine",
     "trellis.training_engines",
     ClassProtocol(
-        "a TrainingEngine class with forward, forward_backward, optimizer_step, zero_grad, to, "
+        "a TrainingEngine class with forward, forward_backward, optimizer_step, zero_grad, to, phase, "
         "state_dict, load_state_dict and iter_full_params",
         methods=(
             "forward",
@@ -120,6 +120,7 @@ training_engines: Registry[type] = Registry(
             "optimizer_step",
             "zero_grad",
             "to",
+            "phase",
             "state_dict",
             "load_state_dict",
             "iter_full_params",

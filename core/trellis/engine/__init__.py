@@ -9,11 +9,13 @@ name from the ``trellis.training_engines`` registry: ``single`` (one process) or
 
     Engine = training_engines.get(config.actor.engine)
     engine = Engine(config.model, config.actor, role="actor", total_steps=n)
-    old = engine.forward(batch)["log_probs"]           # (bs, T), no gradient
-    engine.zero_grad()
-    metrics = engine.forward_backward(batch, loss_fn)  # loss_fn(outputs, micro_batch, global_batch_info)
-    metrics |= engine.optimizer_step()                 # grad_norm, lr, stepped
-    weights = dict(engine.iter_full_params())          # Hugging Face names, for weight sync
+    with engine.phase():                                   # offloaded weights come in (actor.offload)
+        old = engine.forward(batch)["log_probs"]           # (bs, T), no gradient
+    with engine.phase(optimizer=True):                     # ... and the optimizer state
+        engine.zero_grad()
+        metrics = engine.forward_backward(batch, loss_fn)  # loss_fn(outputs, micro_batch, global_batch_info)
+        metrics |= engine.optimizer_step()                 # grad_norm, lr, stepped
+    weights = dict(engine.iter_full_params())              # Hugging Face names, for weight sync
 
 Modules: ``base`` (the contract and shared machinery), ``single``, ``fsdp``, ``models`` (causal
 LM and value model loading), ``optim`` (AdamW and the lr schedule), ``micro_batch`` (grouping

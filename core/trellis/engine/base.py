@@ -35,6 +35,20 @@ global batch over all ranks (see :mod:`trellis.algorithms.aggregation`). Each mi
 is back-propagated as is; gradients add up over micro-batches and are averaged over ranks, so a
 loss built with ``agg_loss(..., **global_batch_info)`` gives the gradient of the whole batch.
 
+Offload (the role's ``offload`` section): ``param`` keeps the parameters (and gradients) in
+host memory, ``optimizer`` the optimizer state, while the engine is not computing. The engine
+starts offloaded; :meth:`TrainingEngine.phase` brings in what a phase computes with and puts it
+back afterwards, so callers run each stage of a step inside one::
+
+    with engine.phase():                  # forward passes: the parameters come in
+        values = engine.forward(batch)
+    with engine.phase(optimizer=True):    # updates: the optimizer state comes in too
+        engine.forward_backward(batch, loss_fn)
+        engine.optimizer_step()           # leaving, the gradients are dropped
+
+On a CPU compute device the host is the device: nothing moves. ``fsdp`` with ``param`` uses
+FSDP's own CPU offload instead (see :mod:`trellis.engine.fsdp`).
+
 Subclasses (``single``, ``fsdp``) supply the parallel parts: how the model is placed or
 sharded, the collectives, the compute-dtype context and the sharded state.
 """
@@ -51,8 +65,8 @@ from typing import Any, ClassVar
 import torch
 
 from trellis.algorithms.logprobs import logprobs_and_entropy_from_logits, logprobs_from_logits
-from trellis.config.base import schema_default
-from trellis.config.schema import ActorConfig, CriticConfig, RefConfig
+from trellis.config.base import ConfigValueError, schema_default
+from trellis.config.schema import ActorConfig, CriticConfig, OffloadConfig, RefConfig
 from trellis.data.protocol import DataProto
 from trellis.engine import packing
 from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, micro_batch_groups
@@ -77,6 +91,9 @@ LossFn = Callable[
 
 STATE_KEYS = ("engine", "role", "dp_size", "global_step", "model", "optimizer", "lr_scheduler")
 
+HOST = torch.device("cpu")
+"""Where offloaded parameters and optimizer state wait between phases."""
+
 
 class TrainingEngine:
     """One model of one role, its optimizer and lr schedule, and its forward/backward passes.
@@ -85,8 +102,8 @@ class TrainingEngine:
         model_config: a ``ModelConfig``: ``path``, ``dtype`` (compute dtype; weights stay float32),
             ``attn_implementation``, ``gradient_checkpointing``, ``use_remove_padding``, ...
         role_config: the role's section, ``ActorConfig`` / ``CriticConfig`` / ``RefConfig``
-            (batching, ``grad_clip``, ``optim``); None = that class's defaults. The critic's
-            ``model_path``, when set, replaces ``model_config.path``.
+            (batching, ``grad_clip``, ``optim``, ``offload``); None = that class's defaults. The
+            critic's ``model_path``, when set, replaces ``model_config.path``.
         role: ``"actor"``, ``"critic"`` or ``"ref"``.
         total_steps: the number of ``optimizer_step`` calls planned; needed by the cosine
             schedule and a warm-up ratio.
@@ -96,7 +113,9 @@ class TrainingEngine:
         seed: seeds the initialisation of weights the checkpoint lacks (the critic's head).
 
     Raises:
-        ValueError: an unknown role, a bad config value (named, with the fix).
+        ValueError: an unknown role, a bad config value (named, with the fix); a
+            :class:`~trellis.config.ConfigValueError` for an ``offload`` combination the engine
+            cannot run (``ref.offload.optimizer``; see the subclass for its own).
     """
 
     name: ClassVar[str] = "base"
@@ -122,6 +141,10 @@ class TrainingEngine:
         self.use_remove_padding = bool(model_setting(model_config, "use_remove_padding"))
         self.micro_batch_size, self.max_tokens, self.grad_clip = _batching(role, self.role_config)
         self.dp_rank, self.dp_size = self._init_parallel(process_group)
+        self.offload_param, self.offload_optimizer = _offload(role, self.role_config)
+        """The role's ``offload.param`` / ``offload.optimizer``: what waits in host memory between phases."""
+        self._check_offload()
+        self._offloaded_by_wrapper = False  # set by a _wrap_model whose library offloads by itself
 
         attn = model_setting(model_config, "attn_implementation")
         packable = packing.MASK_IMPLEMENTATIONS + packing.VARLEN_IMPLEMENTATIONS
@@ -150,16 +173,23 @@ class TrainingEngine:
             self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config, total_steps)
         self.global_step = 0
         """``optimizer_step`` calls so far (skipped ones included)."""
-        self._model_device = self._optimizer_device = self.device
+        # where the parameters are (_wrap_model may leave them on the host), and the (empty) optimizer state
+        self._model_device = self._optimizer_device = _resolve_device(next(self.model.parameters()).device)
+        self._phase_depth, self._phase_updates = 0, False
+        self._put_away(drop_grads=False)  # with offload on, the engine starts offloaded
 
     # ---------------------------------------------------------------- parallel parts (subclasses)
+
+    def _check_offload(self) -> None:
+        """Refuse an ``offload`` combination this engine cannot run (ConfigValueError naming the key)."""
 
     def _init_parallel(self, process_group: Any) -> tuple[int, int]:
         """Set up data parallelism; returns ``(dp_rank, dp_size)``."""
         return 0, 1
 
     def _wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Place (and shard) the float32 CPU model on ``self.device``; returns the module to run."""
+        """Place (and shard) the float32 CPU model on ``self.device`` (or keep it on the host, with
+        ``offload_param``); returns the module to run."""
         raise NotImplementedError
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -195,7 +225,7 @@ class TrainingEngine:
 
         Raises:
             ValueError: missing keys or inconsistent shapes (named); entropy asked of a critic.
-            EngineError: the model is offloaded (call ``to(device)`` first).
+            EngineError: the model is offloaded (run it inside ``with engine.phase():``).
         """
         data = self._check_batch(batch, "forward", compute_entropy=compute_entropy)
         self._require_on_device("forward")
@@ -230,7 +260,7 @@ class TrainingEngine:
             metrics averaged over micro-batches and ranks, weighted by response tokens.
 
         Raises:
-            EngineError: a ``ref`` engine (no optimizer); the model is offloaded.
+            EngineError: a ``ref`` engine (no optimizer); the model is offloaded (use ``phase()``).
             ValueError: a bad batch; a ``loss_fn`` result that is not ``(0-d tensor with grad, dict)``.
         """
         self._require_trainable("forward_backward")
@@ -350,7 +380,8 @@ class TrainingEngine:
             "stepped": bool (False when skipped)}``.
 
         Raises:
-            EngineError: a ``ref`` engine; the model or optimizer state is offloaded.
+            EngineError: a ``ref`` engine; the model or optimizer state is offloaded (run it inside
+                ``phase(optimizer=True)``).
         """
         optimizer, lr_scheduler = self._require_trainable("optimizer_step")
         self._require_on_device("optimizer_step", optimizer=True)
@@ -377,6 +408,80 @@ class TrainingEngine:
 
     # ---------------------------------------------------------------- placement
 
+    @contextlib.contextmanager
+    def phase(self, *, optimizer: bool = False) -> Iterator[None]:
+        """Run a stage of the step with what it computes with on the compute device.
+
+        Entering brings the offloaded parameters (``offload.param``) onto ``self.device``, and
+        with ``optimizer=True`` (a phase that calls ``optimizer_step``) the offloaded optimizer
+        state (``offload.optimizer``) too. Leaving puts them back in host memory; after a phase
+        with ``optimizer=True`` the gradients are dropped when any offload is on (every update
+        starts with ``zero_grad``, so they are never read again). With both knobs off, or on a
+        CPU compute device, nothing moves. Phases nest: only the outermost one moves things back.
+
+        Raises:
+            EngineError: ``optimizer=True`` on a ``ref`` engine (no optimizer).
+        """
+        if optimizer:
+            self._require_trainable("phase(optimizer=True)")
+        self._phase_depth += 1
+        self._phase_updates |= optimizer
+        try:
+            if self._moves_params:
+                self.to(self.device, model=True, optimizer=False)
+            if optimizer and self._moves_optimizer:
+                self.to(self.device, model=False, optimizer=True)
+            yield
+        finally:
+            self._phase_depth -= 1
+            if self._phase_depth == 0:
+                updated, self._phase_updates = self._phase_updates, False
+                self._put_away(drop_grads=updated)
+
+    def _put_away(self, *, drop_grads: bool) -> None:
+        """Move what the offload knobs keep on the host there; free the device's cached memory."""
+        if drop_grads and (self.offload_param or self.offload_optimizer):
+            self.zero_grad()
+        moved = False
+        if self._moves_optimizer:
+            moved |= not _same_device(self._optimizer_device, HOST)
+            self.to(HOST, model=False, optimizer=True)
+        if self._moves_params:
+            moved |= not _same_device(self._model_device, HOST)
+            self.to(HOST, model=True, optimizer=False)
+        if moved and self.device.type != "cpu":  # the freed blocks go back for others (the rollout)
+            torch.get_device_module(self.device.type).empty_cache()
+
+    @property
+    def _moves_params(self) -> bool:
+        return self.offload_param and not self._offloaded_by_wrapper
+
+    @property
+    def _moves_optimizer(self) -> bool:
+        return self.offload_optimizer and self.optimizer is not None and not self._offloaded_by_wrapper
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of this engine's tensors that sit on its compute device now (this rank's shards).
+
+        Returns ``{"params": int, "grads": int, "optimizer": int}``: the parameters, their
+        gradients and the optimizer state (AdamW's moments and step counts) on ``self.device``;
+        buffers are not counted. Outside a phase, what the offload knobs keep on the host counts
+        0 on an accelerator; on a CPU compute device the host is the device, so everything counts.
+        """
+        params = list(self.model.parameters())
+        state = [] if self.optimizer is None else list(self.optimizer.state.values())
+        return {
+            "params": sum(self._bytes_here(param) for param in params),
+            "grads": sum(self._bytes_here(param.grad) for param in params if param.grad is not None),
+            "optimizer": sum(self._bytes_here(value) for entry in state for value in entry.values()),
+        }
+
+    def _bytes_here(self, tensor: Any) -> int:
+        if not isinstance(tensor, torch.Tensor):
+            return 0
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+        return local.numel() * local.element_size() if _same_device(local.device, self.device) else 0
+
     def to(
         self, device: str | torch.device, *, model: bool = True, optimizer: bool = True, grad: bool = True
     ) -> None:
@@ -386,7 +491,8 @@ class TrainingEngine:
         that the compute device. The optimizer state may go to the CPU alone (optimizer
         offload), but it only comes onto an accelerator where the parameters are. ``grad``:
         gradients travel with the parameters (True) or are dropped (False, freeing memory).
-        Moving to where things already are does nothing.
+        Moving to where things already are does nothing. :meth:`phase` does this for the
+        ``offload`` knobs.
 
         Raises:
             EngineError: the optimizer state asked onto a device the parameters are not on
@@ -408,12 +514,16 @@ class TrainingEngine:
             if device.type != "cpu" or self.device.type == "cpu":
                 self.device = device
         if optimizer and self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    # AdamW keeps "step" on the CPU unless capturable; leave it where it is
-                    if isinstance(value, torch.Tensor) and key != "step":
-                        state[key] = value.to(device)
+            self._move_optimizer_state(device)
             self._optimizer_device = device
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        assert self.optimizer is not None  # callers check that the engine trains
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # AdamW keeps "step" on the CPU unless capturable; leave it where it is
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)
 
     # ---------------------------------------------------------------- state
 
@@ -457,6 +567,8 @@ class TrainingEngine:
                     "load_state_dict: the state holds no optimizer state, but this engine trains."
                 )
             self._load_optimizer_state(state["optimizer"])
+            # loading puts the state beside the parameters; an offloaded one goes back to the host
+            self._move_optimizer_state(self._optimizer_device)
             self._require_trainable("load_state_dict")[1].load_state_dict(state["lr_scheduler"])
         self.global_step = int(state["global_step"])
 
@@ -477,7 +589,8 @@ class TrainingEngine:
 
         For weight sync to rollout replicas. Under ``fsdp`` each tensor is all-gathered: every
         rank must run the iteration to the end, in step. ``dtype``: cast each tensor (e.g. to the
-        rollout's bfloat16); None keeps float32.
+        rollout's bfloat16); None keeps float32. No phase is needed: offloaded parameters are read
+        where they wait (host tensors; under FSDP's CPU offload each is gathered on the device).
         """
         for name, tensor in self.model.state_dict().items():
             with torch.no_grad():  # not around the yield: the caller's grad mode stays its own
@@ -543,15 +656,18 @@ class TrainingEngine:
         return self.optimizer, self.lr_scheduler
 
     def _require_on_device(self, where: str, *, optimizer: bool = False) -> None:
+        if self._offloaded_by_wrapper:  # the wrapper streams them from the host itself
+            return
         if not _same_device(self._model_device, self.device):
             raise EngineError(
                 f"{where}: the parameters are offloaded to {self._model_device}; call "
-                f"engine.to({str(self.device)!r}) first."
+                f"engine.to({str(self.device)!r}) first, or run it inside `with engine.phase():`."
             )
         if optimizer and not _same_device(self._optimizer_device, self.device):
             raise EngineError(
                 f"{where}: the optimizer state is offloaded to {self._optimizer_device}; call "
-                f"engine.to({str(self.device)!r}, optimizer=True) first."
+                f"engine.to({str(self.device)!r}, optimizer=True) first, or run it inside "
+                "`with engine.phase(optimizer=True):`."
             )
 
 
@@ -560,6 +676,26 @@ class TrainingEngine:
 
 def _default_role_config(role: str) -> Any:
     return ROLE_CONFIGS[role]()
+
+
+def _offload(role: str, config: Any) -> tuple[bool, bool]:
+    """``(offload.param, offload.optimizer)`` of a role's config, checked.
+
+    Raises:
+        ConfigValueError: ``ref.offload.optimizer`` true (the reference has no optimizer).
+    """
+    section = _role_setting(role, config, "offload")
+    param, optimizer = (
+        bool(setting(section, key, schema_default(OffloadConfig, key))) for key in ("param", "optimizer")
+    )
+    if role == "ref" and optimizer:
+        raise ConfigValueError(
+            "ref.offload.optimizer",
+            optimizer,
+            "must be false: the reference model is frozen and has no optimizer state to offload",
+            hint=" Set ref.offload.param=true to keep its weights in host memory between forward passes.",
+        )
+    return param, optimizer
 
 
 def _role_setting(role: str, config: Any, key: str) -> Any:

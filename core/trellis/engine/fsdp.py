@@ -17,6 +17,15 @@ Everything an engine does on a batch involves collectives: all ranks must call t
 in the same order (``forward``, ``forward_backward``, ``optimizer_step``, ``iter_full_params``
 to its end), with batches of at least one row each.
 
+Offload: ``offload.param`` uses FSDP's own CPU offload (``CPUOffloadPolicy``): each rank's shards
+of the parameters, of their gradients and of the optimizer state live in host memory (pinned on
+an accelerator); a block's shards are copied in just for its all-gather, gradients are copied out
+as they are reduced, and the optimizer step runs on the CPU. Because the optimizer state then
+lives on the host too, ``offload.param`` needs ``offload.optimizer`` (a ConfigValueError says
+so). ``offload.optimizer`` alone moves this rank's optimizer state shards between host memory and
+the device at the edges of each :meth:`~trellis.engine.base.TrainingEngine.phase`. On a CPU device
+the host is the device: the policy is installed, nothing moves.
+
 ``state_dict()`` holds this rank's shards as plain tensors (``torch.save`` one file per rank);
 ``load_state_dict`` takes them back into an engine with the same ``dp_size``. For a full
 checkpoint (any size, or Hugging Face format) use ``iter_full_params``.
@@ -26,14 +35,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from trellis.config.base import ConfigValueError
 from trellis.engine.base import EngineError, TrainingEngine
 from trellis.engine.models import decoder_layers
 
@@ -49,6 +59,7 @@ class FSDPEngine(TrainingEngine):
 
     Raises:
         EngineError: ``torch.distributed`` is not initialised.
+        ConfigValueError: ``offload.param`` without ``offload.optimizer`` (actor, critic).
     """
 
     name = "fsdp"
@@ -66,17 +77,55 @@ class FSDPEngine(TrainingEngine):
         self.mesh = DeviceMesh.from_group(group, self.device.type)
         return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
 
+    def _check_offload(self) -> None:
+        if self.role != "ref" and self.offload_param and not self.offload_optimizer:
+            raise ConfigValueError(
+                f"{self.role}.offload.optimizer",
+                False,
+                f"must be true when {self.role}.offload.param is true with the fsdp engine: FSDP's CPU "
+                "offload keeps the optimizer state in host memory beside the parameters and steps it there",
+                hint=f" Set {self.role}.offload.optimizer=true as well, or {self.role}.offload.param=false "
+                "to offload the optimizer state alone.",
+            )
+
     def _wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.dtype == torch.float32:
             policy = MixedPrecisionPolicy()
         else:
             policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        offload = OffloadPolicy()
+        if self.offload_param:  # pinned host memory overlaps the copies with compute (accelerators only)
+            offload = CPUOffloadPolicy(pin_memory=self.device.type != "cpu")
+            self._offloaded_by_wrapper = True
         # No module.to(device) first: fully_shard moves one block at a time, so the whole model is
         # never on the device unsharded.
         for layer in decoder_layers(module):
-            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
-        fully_shard(module, mesh=self.mesh, mp_policy=policy)
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
+        fully_shard(module, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
         return module
+
+    def to(
+        self, device: str | torch.device, *, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        """As :meth:`TrainingEngine.to`; with FSDP's CPU offload (``offload.param``) the parameters and
+        optimizer state stay in host memory, so ``to("cpu")`` only drops the gradients (``grad=False``).
+
+        Raises:
+            EngineError: a move onto an accelerator under FSDP's CPU offload.
+        """
+        if not self._offloaded_by_wrapper:
+            super().to(device, model=model, optimizer=optimizer, grad=grad)
+            return
+        target = torch.device(device)
+        if target.type != "cpu":
+            raise EngineError(
+                f"FSDPEngine.to({str(target)!r}): with {self.role}.offload.param=true FSDP keeps the "
+                f"parameters and optimizer state in host memory and streams them to {self.device} block "
+                f"by block; they cannot be moved. Set {self.role}.offload.param=false to keep them on the "
+                "device."
+            )
+        if model and not grad:
+            self.model.zero_grad(set_to_none=True)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         tensor = tensor.detach().to(self.device, copy=True)
@@ -92,7 +141,11 @@ class FSDPEngine(TrainingEngine):
         return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts the parameters
 
     def _full(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if not isinstance(tensor, DTensor):
+            return tensor
+        if tensor.device.type != self.device.type:  # a host shard (CPU offload): gather on the device
+            return cast(DTensor, tensor.to(self.device)).full_tensor()
+        return tensor.full_tensor()
 
     # ---------------------------------------------------------------- sharded state
 

@@ -2,8 +2,10 @@
 
 No parallelism: the model sits whole on ``device``, compute runs under ``torch.autocast`` in
 ``model.dtype`` (float32 weights, as the optimizer's master copy), and collectives are the
-identity. Everything else (micro-batching, packing, losses, optimizer, state) is
-:class:`~trellis.engine.base.TrainingEngine`'s.
+identity. Offload (``offload.param`` / ``offload.optimizer``, any combination) moves the whole
+model / optimizer state between host memory and ``device`` at the edges of each
+:meth:`~trellis.engine.base.TrainingEngine.phase`. Everything else (micro-batching, packing,
+losses, optimizer, state) is :class:`~trellis.engine.base.TrainingEngine`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 
 import torch
 
-from trellis.engine.base import TrainingEngine
+from trellis.engine.base import HOST, TrainingEngine
 
 
 class SingleEngine(TrainingEngine):
@@ -25,7 +27,7 @@ class SingleEngine(TrainingEngine):
     name = "single"
 
     def _wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module.to(self.device)
+        return module.to(HOST if self.offload_param else self.device)  # offloaded: phases bring it in
 
     def _compute_context(self) -> contextlib.AbstractContextManager:
         if self.dtype == torch.float32:
