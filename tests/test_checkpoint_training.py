@@ -1,5 +1,6 @@
-"""CheckpointManager: layout, round trips, pruning, resume modes, corrupt checkpoints, fsspec, ranks;
-and the RNG capture/restore of trellis.checkpoint.rng."""
+"""CheckpointManager: layout, round trips, pruning, resume modes, corrupt checkpoints, fsspec, ranks,
+saving in parts (shards written by their own processes, kills at every storage operation); and the
+RNG capture/restore of trellis.checkpoint.rng."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from trellis.checkpoint import CheckpointManager
 from trellis.checkpoint.rng import capture_rng_state, restore_rng_state
-from trellis.checkpoint.training import MANIFEST, POINTER, verify_checkpoint
+from trellis.checkpoint.training import MANIFEST, POINTER, load_rank_file, verify_checkpoint
 from trellis.errors import CheckpointError
 
 
@@ -347,6 +348,248 @@ def test_ranks_write_their_own_files(tmp_path):
     for rank in (0, 1):
         assert managers[rank].latest() == str(folder)
         assert_states_equal(managers[rank].load(folder), states(20 + rank))
+
+
+# ---------------------------------------------------------------- saving in parts
+
+
+def shard(step: int, part: str, rank: int) -> dict:
+    gen = torch.Generator().manual_seed(100 * step + 10 * rank + len(part))
+    return {part: {"model": {"w": torch.randn(3, 2, generator=gen)}, "global_step": step}, "rng": {"n": rank}}
+
+
+def save_in_parts(manager, step: int, parts: dict, hf_files=None) -> tuple[str, list[dict]]:
+    """One save in parts, as the trainer makes it: begin, every rank of every part, publish."""
+    manager.begin(step)
+    entries = [
+        manager.save_shard(step, part, rank, shard(step, part, rank))
+        for part, ranks in parts.items()
+        for rank in range(ranks)
+    ]
+    return manager.publish(step, parts, hf_files=hf_files), entries
+
+
+def assert_shard_equal(a, b):
+    assert a.keys() == b.keys() and a["rng"] == b["rng"]
+    (part,) = [key for key in a if key != "rng"]
+    assert torch.equal(a[part]["model"]["w"], b[part]["model"]["w"])
+    assert a[part]["global_step"] == b[part]["global_step"]
+
+
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_save_in_parts_layout_manifest_and_round_trip(tmp_path, tiny_model_path, scheme):
+    import hashlib
+
+    import fsspec
+
+    root = str(tmp_path / "ckpt") if scheme == "local" else f"memory://parts-{uuid.uuid4().hex}"
+    fs, base = fsspec.core.url_to_fs(root)
+    parts = {"actor": 2, "critic": 2, "trainer": 1}
+    try:
+        manager = CheckpointManager(root, parts={"actor": 2, "critic": 2})
+        assert manager.begin(3) == f"{root}/.tmp_global_step_3"
+        entries = [manager.save_shard(3, "actor", rank, shard(3, "actor", rank)) for rank in (1, 0)]
+        entries += [manager.save_shard(3, p, r, shard(3, p, r)) for p, r in [("critic", 0), ("critic", 1)]]
+        entries.append(manager.save_shard(3, "trainer", 0, shard(3, "trainer", 0)))
+        path = manager.publish(3, parts, hf_files=tiny_model_path)
+        assert path == f"{root}/global_step_3" and manager.latest() == path
+        names = sorted(p.removeprefix(f"{base}/global_step_3/") for p in fs.find(f"{base}/global_step_3"))
+        hf = sorted(n for n in names if n.startswith("hf/"))
+        assert "hf/config.json" in hf and not any(n.endswith(".safetensors") for n in hf)
+        shards = [
+            "actor/rank_0.pt",
+            "actor/rank_1.pt",
+            "critic/rank_0.pt",
+            "critic/rank_1.pt",
+            "trainer/rank_0.pt",
+        ]
+        assert names == sorted([*shards, *hf, MANIFEST])  # the sidecars are gone
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)) == ["global_step_3", POINTER]
+        manifest = json.loads(fs.cat_file(f"{base}/global_step_3/{MANIFEST}"))
+        assert (manifest["format"], manifest["version"], manifest["step"]) == ("trellis-checkpoint", 2, 3)
+        assert manifest["parts"] == parts and "world_size" not in manifest
+        assert sorted(manifest["files"]) == sorted([*shards, *hf])
+        for rel in shards:
+            data = fs.cat_file(f"{base}/global_step_3/{rel}")
+            assert manifest["files"][rel] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        # what save_shard returned is the manifest's entry, and no tensor
+        assert sorted(entries, key=lambda e: e["file"]) == [
+            {"file": rel, **manifest["files"][rel]} for rel in shards
+        ]
+        for part, ranks in parts.items():
+            for rank in range(ranks):
+                assert_shard_equal(load_rank_file(path, rank, part=part), shard(3, part, rank))
+        verify_checkpoint(path, parts=parts, checksums=True)
+        with pytest.raises(
+            CheckpointError, match=r"saved in parts \['actor', 'critic', 'trainer'\]: name the part"
+        ):
+            manager.load(path)
+        with pytest.raises(
+            CheckpointError, match=r"has no part 'ref'; it holds \['actor', 'critic', 'trainer'\]"
+        ):
+            load_rank_file(path, 0, part="ref")
+        with pytest.raises(
+            CheckpointError, match=r"has no file for rank 2 of part 'actor': it was saved by 2 ranks"
+        ):
+            load_rank_file(path, 2, part="actor")
+    finally:
+        if scheme == "memory":
+            fs.rm(base, recursive=True)
+
+
+def test_parts_keep_last_k_and_resume_checks_the_ranks(tmp_path):
+    manager = CheckpointManager(tmp_path, max_to_keep=2, parts={"actor": 2})
+    for step in (1, 2, 3):
+        save_in_parts(manager, step, {"actor": 2, "trainer": 1})
+    assert manager.steps() == [2, 3]
+    latest = str(tmp_path / "global_step_3")
+    assert manager.resolve_resume("auto") == latest
+    assert manager.resolve_resume("resume_path", tmp_path) == latest
+    three = CheckpointManager(tmp_path, parts={"actor": 3})
+    with pytest.raises(CheckpointError, match=r"part 'actor' was saved by 2 ranks, but 3 are loading it"):
+        three.latest()
+    with pytest.raises(CheckpointError, match=r"part 'actor' was saved by 2 ranks, but 3 are loading it"):
+        three.resolve_resume("resume_path", tmp_path / "global_step_2")
+    with pytest.raises(CheckpointError, match=r"has no part 'critic' \(it holds \['actor', 'trainer'\]\)"):
+        CheckpointManager(tmp_path, parts={"actor": 2, "critic": 2}).latest()
+
+
+def test_a_missing_shard_names_the_part_and_rank_and_publishes_nothing_until_it_comes(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    save_in_parts(manager, 1, {"actor": 2, "trainer": 1})
+    manager.begin(2)
+    manager.save_shard(2, "actor", 0, shard(2, "actor", 0))
+    manager.save_shard(2, "trainer", 0, shard(2, "trainer", 0))
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_2': rank 1 of part 'actor' did not write its shard actor/rank_1\.pt; every rank",
+    ):
+        manager.publish(2, {"actor": 2, "trainer": 1})
+    assert manager.latest() == str(tmp_path / "global_step_1") and manager.steps() == [1]
+    # the late shard arrives: the same save publishes
+    manager.save_shard(2, "actor", 1, shard(2, "actor", 1))
+    assert (
+        manager.publish(2, {"actor": 2, "trainer": 1}) == manager.latest() == str(tmp_path / "global_step_2")
+    )
+    assert_shard_equal(load_rank_file(manager.latest(), 1, part="actor"), shard(2, "actor", 1))
+    # a shard the parts do not count is refused too
+    manager.begin(3)
+    for rank in range(3):
+        manager.save_shard(3, "actor", rank, shard(3, "actor", rank))
+    manager.save_shard(3, "critic", 0, shard(3, "critic", 0))
+    with pytest.raises(
+        CheckpointError, match=r"shards \['actor/rank_2\.pt', 'critic/rank_0\.pt'\] were written, but parts="
+    ):
+        manager.publish(3, {"actor": 2})
+    assert manager.steps() == [1, 2]
+
+
+def test_bad_parts_name_the_value(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.begin(1)
+    for bad in ("hf", "", ".hidden", "a/b", "../up", 3):
+        with pytest.raises(ValueError, match=rf"part name {bad!r} is not allowed"):
+            manager.save_shard(1, bad, 0, {})
+    with pytest.raises(ValueError, match=r"save_shard: rank=-1 must be an int >= 0"):
+        manager.save_shard(1, "actor", -1, {})
+    with pytest.raises(ValueError, match=r"part 'actor' has ranks=0; it must be an int >= 1"):
+        manager.publish(1, {"actor": 0})
+    with pytest.raises(ValueError, match=r"parts=\{\} must be a non-empty mapping"):
+        CheckpointManager(tmp_path, parts={})
+    with pytest.raises(ValueError, match=r"CheckpointManager.begin: step=-2 must be an int >= 0"):
+        manager.begin(-2)
+    with pytest.raises(CheckpointError, match=r"states\['actor'\]\['lr'\].*numpy.float64"):
+        manager.save_shard(1, "actor", 0, {"actor": {"lr": np.float64(0.1)}})
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL: not an Exception, so nothing on the way catches it."""
+
+
+MUTATIONS = ("makedirs", "write_stream", "replace_file", "rename", "remove")
+
+
+def test_a_save_killed_at_any_storage_operation_leaves_a_complete_checkpoint(tmp_path, monkeypatch):
+    """Kill the save of step 2 at its n-th storage operation, for every n: the latest checkpoint is
+    always step 1 or step 2, complete (checksums) and with the states saved at that step; the next
+    save of step 2 succeeds and leaves nothing stale."""
+    from trellis.checkpoint.training import Store
+
+    parts = {"actor": 2, "trainer": 1}
+    count = {"n": 0, "kill_at": None}
+
+    def counted(name):
+        original = getattr(Store, name)
+
+        def operation(self, *args, **kwargs):
+            count["n"] += 1
+            if count["n"] == count["kill_at"]:
+                raise Killed(f"{name}{args}")
+            return original(self, *args, **kwargs)
+
+        return operation
+
+    for name in MUTATIONS:
+        monkeypatch.setattr(Store, name, counted(name))
+    clean = tmp_path / "clean"
+    save_in_parts(CheckpointManager(clean, max_to_keep=1), 1, parts)
+    count["n"] = 0
+    save_in_parts(CheckpointManager(clean, max_to_keep=1), 2, parts)
+    operations = count["n"]
+    assert operations >= 10
+    outcomes = set()
+    for kill_at in range(1, operations + 1):
+        root = tmp_path / f"kill{kill_at}"
+        count.update(n=0, kill_at=None)
+        save_in_parts(CheckpointManager(root, max_to_keep=1), 1, parts)
+        count.update(n=0, kill_at=kill_at)
+        with pytest.raises(Killed):
+            save_in_parts(CheckpointManager(root, max_to_keep=1), 2, parts)
+        count["kill_at"] = None
+        manager = CheckpointManager(root, max_to_keep=1, parts={"actor": 2})
+        latest = manager.latest()
+        step = int(latest.rsplit("_", 1)[1])
+        outcomes.add(step)
+        verify_checkpoint(latest, parts=parts, checksums=True)
+        for part, ranks in parts.items():
+            for rank in range(ranks):
+                assert_shard_equal(load_rank_file(latest, rank, part=part), shard(step, part, rank))
+        save_in_parts(manager, 2, parts)
+        assert sorted(p.name for p in root.iterdir()) == ["global_step_2", POINTER], kill_at
+    assert outcomes == {1, 2}  # kills before the pointer moved keep step 1, later ones step 2
+
+
+def test_a_checkpoint_without_parts_reads_as_every_part(tmp_path):
+    """A checkpoint of save() (and of a Trellis before parts): each rank's file holds every state, and
+    a part's shard of rank R is that file; its world size is every part's number of ranks."""
+    barrier = threading.Barrier(2, timeout=30)
+    errors: list[BaseException] = []
+
+    def work(rank):
+        try:
+            manager = CheckpointManager(tmp_path, rank=rank, world_size=2, barrier=barrier.wait)
+            manager.save(4, {**states(40 + rank), "critic": {"model": {}, "global_step": rank}})
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    folder = tmp_path / "global_step_4"
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert (manifest["version"], manifest["world_size"]) == (1, 2) and "parts" not in manifest
+    assert CheckpointManager(tmp_path, parts={"actor": 2, "critic": 2}).latest() == str(folder)
+    for rank in (0, 1):
+        for part in ("actor", "critic", "trainer", None):
+            loaded = load_rank_file(folder, rank, part=part)
+            assert loaded["critic"]["global_step"] == rank
+            assert torch.equal(loaded["actor"]["model"]["w"], states(40 + rank)["actor"]["model"]["w"])
+    with pytest.raises(CheckpointError, match=r"part 'actor' was saved by 2 ranks, but 1 are loading it"):
+        CheckpointManager(tmp_path, parts={"actor": 1}).latest()
 
 
 # ---------------------------------------------------------------- rng

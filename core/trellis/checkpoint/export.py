@@ -5,8 +5,9 @@
 The result (``config.json``, tokenizer files, ``model.safetensors``) loads with
 ``AutoModelForCausalLM.from_pretrained`` (a critic's with ``AutoModelForTokenClassification``).
 
-Each rank's file holds its engine's model state (:meth:`TrainingEngine.state_dict`). A
-``single`` engine's is whole. An ``fsdp`` engine's holds that rank's shard of every parameter:
+Each rank's shard of the role's part (``actor/rank_R.pt``; in a checkpoint without parts,
+``rank_R.pt``) holds its engine's model state (:meth:`TrainingEngine.state_dict`) under the
+role's name. A ``single`` engine's is whole. An ``fsdp`` engine's holds that rank's shard of every parameter:
 FSDP2 splits each tensor along dim 0 into ``torch.chunk(tensor, world_size)`` pieces (ranks
 past the last piece get empty ones), so the whole tensor is the concatenation of the non-empty
 shards in rank order; tensors FSDP does not shard (buffers) are whole on every rank. The whole
@@ -14,7 +15,7 @@ shapes come from the model's config (the architecture built on the meta device, 
 which tells the two cases apart and checks the result.
 
 The config and tokenizer come from the checkpoint's ``hf/`` folder (saved with
-``CheckpointManager.save(..., hf_files=...)``) or, for checkpoints saved without it, from
+``hf_files=`` of ``CheckpointManager.publish`` or ``save``) or, for checkpoints saved without it, from
 ``base_model``.
 """
 
@@ -29,6 +30,7 @@ from trellis.checkpoint.training import (
     HF_DIR,
     MANIFEST,
     Store,
+    checkpoint_parts,
     hf_file_contents,
     load_rank_file,
     verify_checkpoint,
@@ -79,10 +81,16 @@ def export_to_hf(
             "overwrite=True (--force)."
         )
     metadata = _metadata_files(ckpt_dir, manifest, base_model)
+    parts = checkpoint_parts(manifest)
+    if parts is not None and role not in parts:
+        raise CheckpointError(
+            f"Checkpoint {ckpt_dir!r} holds no {role!r} model; it holds the parts {sorted(parts)}. Pass "
+            "role= (--role) one of those."
+        )
     shards: list[dict[str, torch.Tensor]] = []
     kinds = set()
-    for rank in range(manifest["world_size"]):
-        states = load_rank_file(ckpt_dir, rank, manifest=manifest)
+    for rank in range(manifest["world_size"] if parts is None else parts[role]):
+        states = load_rank_file(ckpt_dir, rank, part=role, manifest=manifest)
         engine_state = _role_state(states, role, ckpt_dir, rank)
         kinds.add(engine_state.get("engine"))
         shards.append(dict(engine_state["model"]))

@@ -1,49 +1,69 @@
-"""Training checkpoints: save every rank's state atomically, find the latest, resume, prune.
+"""Training checkpoints: save every process's state atomically, find the latest, resume, prune.
 
-    manager = CheckpointManager(run_dir + "/checkpoints", max_to_keep=3, rank=rank, world_size=world,
-                                barrier=torch.distributed.barrier)
+A checkpoint is made of *parts*, one per group of processes that own state (the trainer's: an
+``actor`` part written by the policy workers, a ``critic`` part by the critic workers, and a
+``trainer`` part by the driver). Each rank of a part writes its own shard; the driver never
+holds another process's state::
+
+    manager = CheckpointManager(run_dir + "/checkpoints", max_to_keep=3, parts={"actor": 2})
+    manager.begin(step)                                        # driver: opens the save
+    # in each actor worker (any process that sees the root):
+    CheckpointManager(root).save_shard(step, "actor", rank, {"actor": engine.state_dict(), ...})
+    # driver, after every worker returned (the barrier):
+    manager.save_shard(step, "trainer", 0, {"trainer": {...}})
+    manager.publish(step, {"actor": 2, "trainer": 1}, hf_files=model_path)
+
     path = manager.resolve_resume(trainer.resume_mode, trainer.resume_from_path)
-    if path is not None:
-        states = manager.load(path)          # this rank's states, as saved
-        engine.load_state_dict(states["actor"]); ...
-    ...
-    manager.save(step, {"actor": engine.state_dict(), "trainer": {...}}, hf_files=model_path)
+    states = load_rank_file(path, rank, part="actor")          # each worker reads its own shard
+
+A program whose ranks all hold the same kinds of state can save without parts: every rank calls
+``save(step, states)`` with a ``barrier`` (e.g. ``torch.distributed.barrier``), and reads back
+with ``load(path)``.
 
 Layout under the root (a local path or any fsspec URL: ``file://``, ``memory://``, ``s3://``, ...)::
 
     latest_checkpointed_iteration.txt   the step of the latest complete checkpoint ("12\\n")
     global_step_12/
-        rank_0.pt ... rank_{W-1}.pt     each rank's states (torch.save), one file per rank
+        actor/rank_0.pt ... rank_{W-1}.pt   part "actor": each rank's shard (torch.save)
+        critic/rank_0.pt ...                part "critic"
+        trainer/rank_0.pt                   part "trainer" (the driver's)
+        rank_0.pt ... rank_{W-1}.pt     instead of parts, with save(): each rank's states
         hf/                             config and tokenizer files, for `trellis export` (optional)
-        meta.json                       the manifest, written last: step, world size, and every
-                                        file above with its size and sha256
+        meta.json                       the manifest, written last: step, the parts and their
+                                        ranks (or the world size), and every file above with its
+                                        size and sha256
     .tmp_global_step_13/                a save in progress (or killed): never read, removed by
                                         the next save
 
-A save writes everything into ``.tmp_global_step_N/``, the manifest last, then renames the
-folder to ``global_step_N/`` and only then rewrites the pointer file (through a temporary file
-and a rename). On a local disk every file and folder is fsynced before the rename that
-publishes it. So a process killed at any instant leaves the checkpoint the pointer names
-complete and loadable; an interrupted save leaves a temporary folder, or a folder the pointer
-does not name, and the next save of that step replaces it.
+A save writes everything into ``.tmp_global_step_N/`` (each shard with a small ``.json``
+sidecar of its size and sha256, so the manifest is written without re-reading a shard), the
+manifest last, then renames the folder to ``global_step_N/`` and only then rewrites the pointer
+file (through a temporary file and a rename). On a local disk every file and folder is fsynced
+before the rename that publishes it. So a process killed at any instant leaves the checkpoint
+the pointer names complete and loadable; an interrupted save leaves a temporary folder, or a
+folder the pointer does not name, and the next save (``begin``) removes or replaces it. A
+shard's writer must be done (or dead) before the next save of the root begins: the trainer
+waits for every worker's call, and a killed driver's Ray workers die with it.
 
-Loading checks the manifest (present, of this format, of this world size, every file present
-with its size) and the sha256 of the rank file it reads (a local one is then memory-mapped);
+Loading checks the manifest (present, of a known format, the expected ranks, every file present
+with its size) and the sha256 of the shard it reads (a local one is then memory-mapped);
 anything wrong raises :class:`~trellis.errors.CheckpointError` naming the path and the fault.
 Nothing is loaded silently from an incomplete or corrupt folder, and a pointer naming a missing
 or broken folder is an error, never a fallback to an older one. Pruning counts only the
 checkpoints up to the latest one: folders of later steps (left by a run that went further
 before this one resumed from an earlier step) stay until this run saves those steps again.
 
-Several ranks: every rank writes its own ``rank_R.pt`` into the shared temporary folder; the
-``barrier`` (e.g. ``torch.distributed.barrier``) separates the phases, and rank 0 alone writes
-the manifest, renames, moves the pointer and prunes. The root must be storage all ranks see.
+Manifest versions: ``save`` writes version 1 (``world_size``, ``rank_R.pt``), which Trellis
+read before parts existed; ``publish`` writes version 2 (``parts``). Both are read. A version 1
+checkpoint reads as if every part had its world size of ranks, each rank's file holding them
+all, so a run checkpointed by a Trellis before parts (whose rank files hold ``actor``,
+``critic`` and ``trainer``) resumes too. The root must be storage every writer sees.
 
 States are pickled with :func:`torch.save` and read back with ``torch.load(weights_only=True)``,
 which runs no code from the file. So a state may hold only tensors, numbers, strings, bytes,
 ``None``, torch dtypes/devices/sizes, and lists, tuples, sets and dicts of those (numpy
 arrays: convert them, as :mod:`trellis.checkpoint.rng` does); :meth:`CheckpointManager.save`
-checks this before writing and names the offending entry.
+and :meth:`CheckpointManager.save_shard` check this before writing and name the offending entry.
 """
 
 from __future__ import annotations
@@ -73,15 +93,22 @@ __all__ = [
     "RESUME_MODES",
     "CheckpointManager",
     "Store",
+    "checkpoint_parts",
     "hf_file_contents",
     "load_rank_file",
+    "rank_file_name",
     "read_manifest",
     "step_dir_name",
     "verify_checkpoint",
 ]
 
 FORMAT = "trellis-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The manifest version :meth:`CheckpointManager.publish` writes: a checkpoint in parts."""
+RANKS_VERSION = 1
+"""The manifest version :meth:`CheckpointManager.save` writes: one group of ranks, no parts (the
+format of Trellis before parts, which still reads it)."""
+READABLE_VERSIONS = (RANKS_VERSION, FORMAT_VERSION)
 MANIFEST = "meta.json"
 POINTER = "latest_checkpointed_iteration.txt"
 HF_DIR = "hf"
@@ -94,6 +121,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgp
 """Files of a Hugging Face folder that ``hf_files`` does not copy (weights live in the rank files)."""
 
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
+_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SHARD_RE = re.compile(r"^rank_(\d+)\.pt\.json$")
 _CHUNK = 8 * 2**20
 
 
@@ -102,9 +131,17 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step}"
 
 
-def rank_file_name(rank: int) -> str:
-    """``"rank_<rank>.pt"``: the file holding one rank's states."""
-    return f"rank_{rank}.pt"
+def rank_file_name(rank: int, part: str | None = None) -> str:
+    """``"<part>/rank_<rank>.pt"``: the file of rank ``rank``'s shard of ``part``; without a part,
+    ``"rank_<rank>.pt"`` (a checkpoint saved by :meth:`CheckpointManager.save`)."""
+    return f"{part}/rank_{rank}.pt" if part else f"rank_{rank}.pt"
+
+
+def checkpoint_parts(manifest: Mapping[str, Any]) -> dict[str, int] | None:
+    """``{part: number of ranks}`` of a checkpoint's manifest; None for a checkpoint without parts
+    (version 1, saved by :meth:`CheckpointManager.save`: ``manifest["world_size"]`` ranks)."""
+    parts = manifest.get("parts") if manifest.get("version") == FORMAT_VERSION else None
+    return dict(parts) if parts is not None else None
 
 
 # ---------------------------------------------------------------- storage
@@ -273,44 +310,83 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"Checkpoint {where!r}: its {MANIFEST} is unreadable ({exc}).") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"Checkpoint {where!r}: its {MANIFEST} is not a {FORMAT} manifest.")
-    if manifest.get("version") != FORMAT_VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"Checkpoint {where!r} has format version {manifest.get('version')!r}; this Trellis reads "
-            f"version {FORMAT_VERSION}. Use the Trellis version that wrote it."
+            f"versions {list(READABLE_VERSIONS)}. Use the Trellis version that wrote it."
         )
-    files, world = manifest.get("files"), manifest.get("world_size")
-    if not isinstance(files, dict) or not isinstance(world, int) or not isinstance(manifest.get("step"), int):
-        raise CheckpointError(f"Checkpoint {where!r}: its {MANIFEST} lacks step, world_size or files.")
+    files, step = manifest.get("files"), manifest.get("step")
+    if manifest["version"] == RANKS_VERSION:
+        ranks_ok = _is_int(manifest.get("world_size")) and manifest["world_size"] >= 1
+        what = "world_size"
+    else:
+        parts = manifest.get("parts")
+        ranks_ok = (
+            isinstance(parts, dict)
+            and bool(parts)
+            and all(_valid_part(p) and _is_int(n) and n >= 1 for p, n in parts.items())
+        )
+        what = "parts"
+    if not isinstance(files, dict) or not ranks_ok or not _is_int(step):
+        raise CheckpointError(f"Checkpoint {where!r}: its {MANIFEST} lacks step, {what} or files.")
     return manifest
 
 
 def verify_checkpoint(
-    path: str | os.PathLike[str], *, world_size: int | None = None, checksums: bool = False
+    path: str | os.PathLike[str],
+    *,
+    world_size: int | None = None,
+    parts: Mapping[str, int] | None = None,
+    checksums: bool = False,
 ) -> dict[str, Any]:
     """Check checkpoint folder ``path`` against its manifest; returns the manifest.
 
     Args:
         path: a ``global_step_N`` folder (local path or URL).
-        world_size: the number of ranks that will load it; None accepts any.
+        world_size: the number of ranks that will load a checkpoint without parts (one saved by
+            :meth:`CheckpointManager.save`); None accepts any. Not checked on one in parts.
+        parts: ``{part: ranks}`` that will load it: each must be in the checkpoint with that many
+            ranks (others may be there too); a checkpoint without parts has every part with its
+            world size of ranks. None accepts any.
         checksums: also re-hash every file (reads the whole checkpoint); sizes are always checked.
 
     Raises:
-        CheckpointError: as :func:`read_manifest`; another world size; a listed file missing, of
-            another size or (``checksums``) content. The message names the path and the file.
+        CheckpointError: as :func:`read_manifest`; another world size or number of ranks of a part;
+            a part's shard not listed; a listed file missing, of another size or (``checksums``)
+            content. The message names the path and the file.
     """
     manifest = read_manifest(path)
     store = Store(os.fspath(path))
     where = store.display()
-    if world_size is not None and manifest["world_size"] != world_size:
-        raise CheckpointError(
-            f"Checkpoint {where!r} was saved by {manifest['world_size']} ranks, but {world_size} are loading "
-            f"it; resume with the same number of ranks (or export it: trellis export {where} --to HF_DIR)."
-        )
-    for rank in range(manifest["world_size"]):
-        if rank_file_name(rank) not in manifest["files"]:
+    saved = checkpoint_parts(manifest)
+    fix = f"resume with the same number of workers (or export it: trellis export {where} --to HF_DIR)"
+    if saved is None:
+        if world_size is not None and manifest["world_size"] != world_size:
             raise CheckpointError(
-                f"Checkpoint {where!r}: its {MANIFEST} does not list {rank_file_name(rank)}."
+                f"Checkpoint {where!r} was saved by {manifest['world_size']} ranks, but {world_size} are "
+                f"loading it; {fix}."
             )
+        listed = {"": manifest["world_size"]}
+    else:
+        listed = saved
+    for part, ranks in (parts or {}).items():
+        have = manifest["world_size"] if saved is None else saved.get(part)
+        if have is None:
+            raise CheckpointError(
+                f"Checkpoint {where!r} has no part {part!r} (it holds {sorted(saved or {})}); resume it with "
+                "the components it was saved with, or start afresh (trainer.resume_mode=disable)."
+            )
+        if have != ranks:
+            raise CheckpointError(
+                f"Checkpoint {where!r}: its part {part!r} was saved by {have} ranks, but {ranks} are loading "
+                f"it; {fix}."
+            )
+    for part, ranks in listed.items():
+        for rank in range(ranks):
+            if rank_file_name(rank, part) not in manifest["files"]:
+                raise CheckpointError(
+                    f"Checkpoint {where!r}: its {MANIFEST} does not list {rank_file_name(rank, part)}."
+                )
     for rel, entry in manifest["files"].items():
         _check_file(store, rel, entry, checksums=checksums)
     return manifest
@@ -355,19 +431,27 @@ def load_rank_file(
     path: str | os.PathLike[str],
     rank: int,
     *,
+    part: str | None = None,
     manifest: dict[str, Any] | None = None,
     map_location: Any = "cpu",
 ) -> dict[str, Any]:
-    """The states rank ``rank`` saved into checkpoint folder ``path``, checksum verified.
+    """The states rank ``rank`` saved (of ``part``) into checkpoint folder ``path``, checksum verified.
 
     Args:
         path: a ``global_step_N`` folder.
-        rank: whose file to read.
+        rank: whose shard to read.
+        part: the part to read, in a checkpoint in parts (e.g. ``"actor"``). A checkpoint without
+            parts has one file per rank holding all its states: that file is read, whatever ``part``.
         manifest: the folder's manifest when already read (:func:`verify_checkpoint`).
         map_location: where tensors go (``torch.load``'s); ``"cpu"`` by default.
 
+    Returns:
+        The ``states`` given to :meth:`CheckpointManager.save_shard` (or ``save``).
+
     Raises:
-        CheckpointError: as :func:`verify_checkpoint`; the file fails its checksum or does not load.
+        CheckpointError: as :func:`verify_checkpoint`; no such part or rank (the message lists what
+            the checkpoint holds); the file fails its checksum, does not load or holds another
+            rank's, part's or step's states.
     """
     import io
 
@@ -375,12 +459,27 @@ def load_rank_file(
 
     manifest = manifest if manifest is not None else verify_checkpoint(path)
     store = Store(os.fspath(path))
-    rel = rank_file_name(rank)
-    where = store.display(rel)
-    if rel not in manifest["files"]:
+    parts = checkpoint_parts(manifest)
+    if parts is None:
+        part, ranks = None, manifest["world_size"]
+    elif part is None:
         raise CheckpointError(
-            f"Checkpoint {store.display()!r} has no file for rank {rank}: it was saved by "
-            f"{manifest['world_size']} ranks."
+            f"Checkpoint {store.display()!r} is saved in parts {sorted(parts)}: name the part to read "
+            "(load_rank_file(path, rank, part=...))."
+        )
+    elif part not in parts:
+        raise CheckpointError(
+            f"Checkpoint {store.display()!r} has no part {part!r}; it holds {sorted(parts)}."
+        )
+    else:
+        ranks = parts[part]
+    rel = rank_file_name(rank, part)
+    where = store.display(rel)
+    if not _is_int(rank) or not 0 <= rank < ranks or rel not in manifest["files"]:
+        of = f" of part {part!r}" if part else ""
+        raise CheckpointError(
+            f"Checkpoint {store.display()!r} has no file for rank {rank!r}{of}: it was saved by "
+            f"{ranks} ranks."
         )
     entry = manifest["files"][rel]
     try:
@@ -402,9 +501,11 @@ def load_rank_file(
         not isinstance(payload, dict)
         or payload.get("rank") != rank
         or payload.get("step") != manifest["step"]
+        or payload.get("part") != part
     ):
         raise CheckpointError(
-            f"Checkpoint file {where!r} does not hold rank {rank}'s states of step {manifest['step']}."
+            f"Checkpoint file {where!r} does not hold rank {rank}'s states"
+            f"{f' of part {part!r}' if part else ''} of step {manifest['step']}."
         )
     return payload["states"]
 
@@ -413,21 +514,30 @@ def load_rank_file(
 
 
 class CheckpointManager:
-    """Saves and loads the training checkpoints under one root folder, for one rank.
+    """Saves and loads the training checkpoints under one root folder.
+
+    Saving in parts (see the module docstring): :meth:`begin`, then every rank of every part
+    :meth:`save_shard` (each in its own process), then :meth:`publish`. Saving without parts: every
+    one of ``world_size`` ranks calls :meth:`save`, each with its own manager.
 
     Args:
         root: the folder holding ``global_step_N`` folders and the pointer file; a local path or
             an fsspec URL (``file://``, ``memory://``, ``s3://``, ...). Created on the first save.
         max_to_keep: keep this many checkpoints (the latest and the ones just before it); older
             ones are deleted after each successful save. None keeps all.
-        rank: this process's rank among the ``world_size`` that save together.
-        world_size: how many ranks save (each its own file) and later load this checkpoint.
+        rank: this process's rank among the ``world_size`` that :meth:`save` together.
+        world_size: how many ranks :meth:`save` (each its own file) and later :meth:`load` this
+            checkpoint.
         barrier: called by every rank to wait for all of them (e.g. ``torch.distributed.barrier``);
-            needed when ``world_size > 1``.
+            needed by :meth:`save` when ``world_size > 1``.
+        parts: ``{part: ranks}`` a checkpoint must hold for :meth:`latest` and
+            :meth:`resolve_resume` to return it (e.g. ``{"actor": 2}`` for two policy workers; a
+            checkpoint without parts holds every part with its world size). None: only a
+            checkpoint without parts is checked, against ``world_size``.
 
     Raises:
-        ValueError: a bad ``max_to_keep``, ``rank`` or ``world_size``, or no ``barrier`` for several
-            ranks; the message names the value.
+        ValueError: a bad ``max_to_keep``, ``rank``, ``world_size`` or ``parts``, or no ``barrier``
+            for several ranks; the message names the value.
     """
 
     def __init__(
@@ -438,6 +548,7 @@ class CheckpointManager:
         rank: int = 0,
         world_size: int = 1,
         barrier: Callable[[], Any] | None = None,
+        parts: Mapping[str, int] | None = None,
     ):
         if not _is_int(world_size) or world_size < 1:
             raise ValueError(f"CheckpointManager: world_size={world_size!r} must be an int >= 1.")
@@ -455,6 +566,7 @@ class CheckpointManager:
             )
         self.root = os.fspath(root)
         self.max_to_keep, self.rank, self.world_size = max_to_keep, rank, world_size
+        self.parts = None if parts is None else _checked_parts(parts, "CheckpointManager")
         self._barrier = barrier if barrier is not None else (lambda: None)
         self._store = Store(self.root)
 
@@ -483,7 +595,159 @@ class CheckpointManager:
         """The folder the checkpoint of ``step`` is (or would be) saved in."""
         return self._store.display(step_dir_name(step))
 
-    # ---------------------------------------------------------------- save
+    # ---------------------------------------------------------------- save in parts
+
+    def begin(self, step: int) -> str:
+        """Open the save of ``step`` in parts: remove what killed saves left (temporary folders,
+        pointer files), create the temporary folder. Called once (by the driver), before any
+        :meth:`save_shard` of ``step``.
+
+        Returns:
+            The temporary folder the shards go into (``<root>/.tmp_global_step_<step>``).
+
+        Raises:
+            CheckpointError: the storage failed (the message names the path).
+            ValueError: a bad ``step``.
+        """
+        _check_step(step, "begin")
+        store, tmp = self._store, f"{TMP_PREFIX}{step_dir_name(step)}"
+        with self._storage_errors(step):
+            store.makedirs()
+            self._remove_stale()
+            store.makedirs(tmp)
+        return store.display(tmp)
+
+    def save_shard(self, step: int, part: str, rank: int, states: Mapping[str, Any]) -> dict[str, Any]:
+        """Write ``states`` as rank ``rank``'s shard of ``part`` into the save of ``step`` that
+        :meth:`begin` opened: ``<part>/rank_<rank>.pt`` and its sidecar. Any process that sees the
+        root calls it for its own shard (a worker writes its engine state itself).
+
+        Args:
+            step: the step :meth:`begin` opened.
+            part: the part's name (letters, digits, ``_ . -``; not ``hf``), e.g. ``"actor"``.
+            rank: this shard's rank in the part, ``0 <= rank < ranks`` of :meth:`publish`.
+            states: the shard's named states (what :func:`load_rank_file` gives back); tensors are
+                read as they are now.
+
+        Returns:
+            The shard's manifest entry ``{"file", "size", "sha256"}`` (no tensors).
+
+        Raises:
+            CheckpointError: a state entry that cannot be saved safely (named, with its type), or the
+                storage failed; the message names the path.
+            ValueError: a bad ``step``, ``part`` or ``rank``.
+        """
+        _check_step(step, "save_shard")
+        _checked_parts({part: 1}, "save_shard")
+        if not _is_int(rank) or rank < 0:
+            raise ValueError(f"save_shard: rank={rank!r} must be an int >= 0.")
+        _check_savable(states, "states")
+        rel = rank_file_name(rank, part)
+        with self._storage_errors(step):
+            self._store.makedirs(f"{TMP_PREFIX}{step_dir_name(step)}/{part}")
+            size, digest = self._write_shard(step, part, rank, states)
+        return {"file": rel, **_entry(size, digest)}
+
+    def publish(
+        self,
+        step: int,
+        parts: Mapping[str, int],
+        *,
+        hf_files: str | os.PathLike[str] | Mapping[str, bytes | str] | None = None,
+    ) -> str:
+        """Make the save of ``step`` the latest checkpoint, once every shard of ``parts`` is written
+        (the caller's barrier: e.g. every worker's call returned): the manifest (each file's size
+        and sha256 from the shards' sidecars), the rename into ``global_step_<step>``, the pointer,
+        pruning.
+
+        Args:
+            step: the step :meth:`begin` opened.
+            parts: ``{part: ranks}`` of every part of the checkpoint, e.g. ``{"actor": 2,
+                "trainer": 1}``; each rank of each must have called :meth:`save_shard`.
+            hf_files: as :meth:`save`.
+
+        Returns:
+            The checkpoint folder (``<root>/global_step_<step>``).
+
+        Raises:
+            CheckpointError: a shard not written (the message names the part and the rank), a shard
+                of a part or rank not in ``parts``, or the storage failed; nothing is published.
+            ValueError: a bad ``step`` or ``parts``.
+        """
+        _check_step(step, "publish")
+        parts = _checked_parts(parts, "publish")
+        store, name = self._store, step_dir_name(step)
+        tmp = f"{TMP_PREFIX}{name}"
+        with self._storage_errors(step):
+            files: dict[str, dict[str, Any]] = {}
+            for part, ranks in parts.items():
+                for rank in range(ranks):
+                    files[rank_file_name(rank, part)] = self._read_sidecar(
+                        tmp,
+                        rank_file_name(rank, part),
+                        f"rank {rank} of part {part!r} did not write its shard {rank_file_name(rank, part)}",
+                        f"every rank of every part calls save_shard({step}, part, rank, states) between "
+                        f"begin({step}) and publish",
+                    )
+            self._refuse_extra_shards(step, tmp, parts)
+            for rel in files:  # only once every shard is there: a failed publish can be retried
+                store.remove(f"{tmp}/{rel}.json")
+            for part in parts:
+                store.fsync_dir(f"{tmp}/{part}")
+            self._finish(step, tmp, files, {"parts": parts}, FORMAT_VERSION, hf_files)
+        return store.display(name)
+
+    def _write_shard(
+        self, step: int, part: str | None, rank: int, states: Mapping[str, Any]
+    ) -> tuple[int, str]:
+        """Write one shard and its sidecar into the temporary folder of ``step``; its (size, sha256)."""
+        import torch
+
+        payload: dict[str, Any] = {"step": step, "rank": rank, "states": dict(states)}
+        if part:
+            payload["part"] = part
+        else:
+            payload["world_size"] = self.world_size
+        rel = f"{TMP_PREFIX}{step_dir_name(step)}/{rank_file_name(rank, part)}"
+        size, digest = self._store.write_stream(rel, lambda f: torch.save(payload, f))
+        # the sidecar tells the publisher what to put into the manifest without re-reading the file
+        self._store.write_bytes(f"{rel}.json", json.dumps(_entry(size, digest)).encode())
+        return size, digest
+
+    def _read_sidecar(self, tmp: str, rel: str, missing: str, fix: str) -> dict[str, Any]:
+        """The manifest entry a shard's sidecar holds."""
+        store = self._store
+        sidecar = f"{tmp}/{rel}.json"
+        if not store.exists(sidecar):
+            raise CheckpointError(
+                f"Saving checkpoint {store.display(tmp.removeprefix(TMP_PREFIX))!r}: {missing}; {fix}."
+            )
+        entry = json.loads(store.read_bytes(sidecar))
+        return _entry(int(entry["size"]), str(entry["sha256"]))
+
+    def _refuse_extra_shards(self, step: int, tmp: str, parts: Mapping[str, int]) -> None:
+        """Raise when the temporary folder holds shards that ``parts`` does not count."""
+        store = self._store
+        extra = []
+        for entry in store.listdir(tmp):
+            if entry == HF_DIR or not store.isdir(f"{tmp}/{entry}"):
+                continue
+            for file_name in store.listdir(f"{tmp}/{entry}"):
+                match = _SHARD_RE.match(file_name)
+                if match and (entry not in parts or int(match.group(1)) >= parts[entry]):
+                    extra.append(f"{entry}/{file_name.removesuffix('.json')}")
+        if extra:
+            raise CheckpointError(
+                f"Saving checkpoint {store.display(step_dir_name(step))!r}: shards {sorted(extra)} were "
+                f"written, but parts={dict(parts)} does not count them; give publish every part with its "
+                "number of ranks."
+            )
+
+    def _storage_errors(self, step: int) -> _StorageErrors:
+        """A context that turns a failing storage call into a CheckpointError naming the checkpoint."""
+        return _StorageErrors(self._store.display(step_dir_name(step)))
+
+    # ---------------------------------------------------------------- save without parts
 
     def save(
         self,
@@ -512,53 +776,45 @@ class CheckpointManager:
                 the storage failed; the message names the path.
             ValueError: a bad ``step``.
         """
-        if not _is_int(step) or step < 0:
-            raise ValueError(f"CheckpointManager.save: step={step!r} must be an int >= 0.")
+        _check_step(step, "save")
         _check_savable(states, "states")
         store, name = self._store, step_dir_name(step)
         tmp = f"{TMP_PREFIX}{name}"
-        try:
+        with self._storage_errors(step):
             if self.rank == 0:
                 store.makedirs()
                 self._remove_stale()
                 store.makedirs(tmp)
             self._barrier()
-            self._write_rank_file(tmp, step, states)
+            self._write_shard(step, None, self.rank, states)
             self._barrier()
             if self.rank == 0:
-                self._publish(step, tmp, hf_files)
+                files = {
+                    rank_file_name(rank): self._read_sidecar(
+                        tmp,
+                        rank_file_name(rank),
+                        f"rank {rank} did not write {rank_file_name(rank)}",
+                        "every rank must call save() with the same step",
+                    )
+                    for rank in range(self.world_size)
+                }
+                for rel in files:
+                    store.remove(f"{tmp}/{rel}.json")
+                self._finish(step, tmp, files, {"world_size": self.world_size}, RANKS_VERSION, hf_files)
             self._barrier()
-        except CheckpointError:
-            raise
-        except (OSError, RuntimeError) as exc:
-            raise CheckpointError(
-                f"Saving checkpoint {store.display(name)!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
         return store.display(name)
 
-    def _write_rank_file(self, tmp: str, step: int, states: Mapping[str, Any]) -> None:
-        import torch
-
-        payload = {"step": step, "rank": self.rank, "world_size": self.world_size, "states": dict(states)}
-        rel = f"{tmp}/{rank_file_name(self.rank)}"
-        size, digest = self._store.write_stream(rel, lambda f: torch.save(payload, f))
-        # the sidecar tells rank 0 what to put into the manifest without re-reading the file
-        self._store.write_bytes(f"{rel}.json", json.dumps({"size": size, "sha256": digest}).encode())
-
-    def _publish(self, step: int, tmp: str, hf_files: Any) -> None:
-        """Rank 0: manifest, rename, pointer, prune — in this order (see the module docstring)."""
+    def _finish(
+        self,
+        step: int,
+        tmp: str,
+        files: dict[str, dict[str, Any]],
+        layout: Mapping[str, Any],
+        version: int,
+        hf_files: Any,
+    ) -> None:
+        """hf files, manifest, rename, pointer, prune — in this order (see the module docstring)."""
         store, name = self._store, step_dir_name(step)
-        files: dict[str, dict[str, Any]] = {}
-        for rank in range(self.world_size):
-            rel = rank_file_name(rank)
-            sidecar = f"{tmp}/{rel}.json"
-            if not store.exists(sidecar):
-                raise CheckpointError(
-                    f"Saving checkpoint {store.display(name)!r}: rank {rank} did not write {rel}; every rank "
-                    "must call save() with the same step."
-                )
-            files[rel] = json.loads(store.read_bytes(sidecar))
-            store.remove(sidecar)
         if hf_files is not None:
             store.makedirs(f"{tmp}/{HF_DIR}")
             for file_name, data in hf_file_contents(hf_files):
@@ -568,9 +824,9 @@ class CheckpointManager:
             store.fsync_dir(f"{tmp}/{HF_DIR}")
         manifest = {
             "format": FORMAT,
-            "version": FORMAT_VERSION,
+            "version": version,
             "step": step,
-            "world_size": self.world_size,
+            **layout,
             "files": files,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
@@ -639,31 +895,37 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: the pointer is unreadable, or names a folder that is missing, incomplete
-                or of another world size (the message names the pointer and the folder).
+                or of other ranks than ``world_size`` / ``parts`` (the message names the pointer and
+                the folder).
         """
         step = self._pointer_step()
         if step is None:
             return None
         path = self.path_of(step)
         try:
-            verify_checkpoint(path, world_size=self.world_size)
+            self._verify(path)
         except CheckpointError as exc:
             raise CheckpointError(
                 f"The checkpoint pointer {self._store.display(POINTER)!r} names step {step}, but: {exc}"
             ) from exc
         return path
 
+    def _verify(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        world_size = self.world_size if self.parts is None else None  # the parts say who loads it
+        return verify_checkpoint(path, world_size=world_size, parts=self.parts)
+
     def load(self, path: str | os.PathLike[str], *, map_location: Any = "cpu") -> dict[str, Any]:
         """This rank's states from checkpoint folder ``path``, as they were passed to :meth:`save`.
 
         Verifies the manifest (present, complete, this world size, sizes) and the sha256 of this
-        rank's file before unpickling it (``weights_only``).
+        rank's file before unpickling it (``weights_only``). A checkpoint in parts is read one shard
+        at a time with :func:`load_rank_file` (``part=``).
 
         Raises:
             CheckpointError: the folder is missing, incomplete or corrupt (the message says which file
-                and what is wrong).
+                and what is wrong), or it is saved in parts.
         """
-        manifest = verify_checkpoint(path, world_size=self.world_size)
+        manifest = self._verify(path)
         return load_rank_file(path, self.rank, manifest=manifest, map_location=map_location)
 
     def resolve_resume(
@@ -694,12 +956,14 @@ class CheckpointManager:
         path = os.fspath(resume_from_path).rstrip("/")
         store = Store(path)
         if not store.exists(MANIFEST) and store.exists(POINTER):
-            found = CheckpointManager(path, rank=self.rank, world_size=self.world_size, barrier=self._barrier)
+            found = CheckpointManager(
+                path, rank=self.rank, world_size=self.world_size, barrier=self._barrier, parts=self.parts
+            )
             located = found.latest()
             if located is None:  # pragma: no cover - latest() returns a path when a pointer exists
                 raise CheckpointError(f"resume_from_path {path!r} holds no checkpoint.")
             return located
-        verify_checkpoint(path, world_size=self.world_size)
+        self._verify(path)
         return path
 
 
@@ -712,6 +976,49 @@ def _is_int(value: Any) -> bool:
 
 def _entry(size: int, digest: str) -> dict[str, Any]:
     return {"size": size, "sha256": digest}
+
+
+def _check_step(step: Any, method: str) -> None:
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"CheckpointManager.{method}: step={step!r} must be an int >= 0.")
+
+
+def _valid_part(part: Any) -> bool:
+    return isinstance(part, str) and part != HF_DIR and bool(_PART_RE.match(part))
+
+
+def _checked_parts(parts: Any, where: str) -> dict[str, int]:
+    """``parts`` as a dict, or ValueError naming the bad name or number of ranks."""
+    if not isinstance(parts, Mapping) or not parts:
+        raise ValueError(
+            f"{where}: parts={parts!r} must be a non-empty mapping {{part name: number of ranks}}."
+        )
+    for part, ranks in parts.items():
+        if not _valid_part(part):
+            raise ValueError(
+                f"{where}: part name {part!r} is not allowed; use letters, digits, '_', '.' and '-' (not "
+                f"starting with '.', '_' or '-', and not {HF_DIR!r})."
+            )
+        if not _is_int(ranks) or ranks < 1:
+            raise ValueError(f"{where}: part {part!r} has ranks={ranks!r}; it must be an int >= 1.")
+    return dict(parts)
+
+
+class _StorageErrors:
+    """Turns an OSError or RuntimeError (a broken barrier) inside it into a CheckpointError naming
+    the checkpoint; CheckpointErrors pass through."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, CheckpointError):
+            raise CheckpointError(
+                f"Saving checkpoint {self.where!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 _LEAVES = (type(None), bool, int, float, complex, str, bytes)

@@ -12,6 +12,7 @@ _LAZY = {
     "make_nd_compute_dataproto_dispatch_fn": (
         "trellis.distributed.dispatch:make_nd_compute_dataproto_dispatch_fn"
     ),
+    "make_nd_compute_metric_dispatch_fn": "trellis.distributed.dispatch:make_nd_compute_metric_dispatch_fn",
     "DataProtoFuture": "trellis.distributed.future:DataProtoFuture",
     "Worker": "trellis.distributed.worker:Worker",
     "register": "trellis.distributed.worker:register",

@@ -20,7 +20,9 @@ Built-ins (names of :class:`Dispatch`):
 :func:`make_nd_compute_dataproto_dispatch_fn` builds the mode of a named device mesh, where workers
 declare their data-parallel rank with ``Worker._register_dispatch_collect_info``: each data-parallel
 rank gets one chunk (workers of the same rank — tensor or sequence parallel peers — get the same
-chunk), and one worker per rank is collected from. :func:`register_dispatch_mode` adds a custom mode.
+chunk), and one worker per rank is collected from. :func:`make_nd_compute_metric_dispatch_fn` splits
+the same way and returns the collected workers' outputs (e.g. metric dicts) as a list in data-parallel
+order, as ``DP_COMPUTE_METRIC`` does. :func:`register_dispatch_mode` adds a custom mode.
 """
 
 from __future__ import annotations
@@ -205,11 +207,15 @@ def _mesh_dispatch(
     return per_worker_args, per_worker_kwargs
 
 
-def _mesh_collect(mesh_name: str, group: Any, outputs: list[Any]) -> Any:
+def _mesh_collect_list(mesh_name: str, group: Any, outputs: list[Any]) -> list[Any]:
+    """The outputs of the workers collected on ``mesh_name``, in data-parallel order."""
     ranks = group.dispatch_info(mesh_name)
     collect = group.collect_info(mesh_name)
-    picked = sorted((r, i) for i, r in enumerate(ranks) if collect[i])
-    return concat_outputs([outputs[i] for _, i in picked])
+    return [outputs[i] for _, i in sorted((r, i) for i, r in enumerate(ranks) if collect[i])]
+
+
+def _mesh_collect(mesh_name: str, group: Any, outputs: list[Any]) -> Any:
+    return concat_outputs(_mesh_collect_list(mesh_name, group, outputs))
 
 
 def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Any]:
@@ -220,3 +226,24 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Any]:
         "collect_fn": functools.partial(_mesh_collect, mesh_name),
         "mesh_name": mesh_name,
     }
+
+
+def make_nd_compute_metric_dispatch_fn(mesh_name: str) -> dict[str, Any]:
+    """``DP_COMPUTE_METRIC`` on mesh ``mesh_name``: split as :func:`make_nd_compute_dataproto_dispatch_fn`
+    does; the result is the list of the collecting workers' outputs (one per data-parallel rank, in
+    data-parallel order), not concatenated — e.g. the metric dicts of an update, for the driver to average.
+    A non-blocking call returns those workers' futures, in the same order."""
+    return {
+        "dispatch_fn": functools.partial(_mesh_dispatch, mesh_name),
+        "collect_fn": functools.partial(_mesh_collect_list, mesh_name),
+        "mesh_name": mesh_name,
+        "concat": False,
+    }
+
+
+def mesh_name_of(dispatch_mode: Any) -> str | None:
+    """The mesh a dispatch mode splits over (a dict from the ``make_nd_compute_*`` functions), else None."""
+    if isinstance(dispatch_mode, Mapping):
+        name = dispatch_mode.get("mesh_name")
+        return name if isinstance(name, str) else None
+    return None

@@ -24,7 +24,7 @@ from trellis.distributed.worker import PICK_MASTER_ENV
 from trellis.distributed.worker_group import ClassWithInitArgs, WorkerGroup
 
 
-def _ray() -> Any:
+def import_ray() -> Any:
     try:
         import ray
     except ImportError:  # pragma: no cover - ray is an optional extra
@@ -100,7 +100,7 @@ class RayResourcePool:
                 asked for and what the cluster has.
         """
         if self._pgs is None:
-            ray = _ray()
+            ray = import_ray()
             from ray.util.placement_group import placement_group
 
             pgs = [
@@ -124,7 +124,7 @@ class RayResourcePool:
     def release(self) -> None:
         """Remove the placement groups (their actors should be gone first)."""
         if self._pgs is not None:
-            ray = _ray()
+            ray = import_ray()
             for pg in self._pgs:
                 ray.util.remove_placement_group(pg)
             self._pgs = None
@@ -183,7 +183,7 @@ class RayWorkerGroup(WorkerGroup):
         name_prefix: str | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        ray = _ray()
+        ray = import_ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.resource_pool = resource_pool
@@ -202,7 +202,7 @@ class RayWorkerGroup(WorkerGroup):
                     "LOCAL_RANK": str(local_rank),
                     "LOCAL_WORLD_SIZE": str(resource_pool.process_on_nodes[node]),
                     **({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])} if master else {}),
-                    **_passed_env(),
+                    **passed_env(),
                     **dict(env or {}),
                 }
                 options: dict[str, Any] = {
@@ -231,18 +231,18 @@ class RayWorkerGroup(WorkerGroup):
         return getattr(self.workers[rank], method).remote(*args, **kwargs)
 
     def _get(self, futures: list[Any]) -> list[Any]:
-        return _ray().get(list(futures))
+        return import_ray().get(list(futures))
 
     def shutdown(self) -> None:
         """Kill the actors (and free the pool's placement groups)."""
-        ray = _ray()
+        ray = import_ray()
         for actor in self.workers:
             ray.kill(actor)
         self.workers = []
         self.resource_pool.release()
 
 
-def _passed_env() -> dict[str, str]:
+def passed_env() -> dict[str, str]:
     """Settings of this process that workers must share (offline Hugging Face, thread counts)."""
     keys = (
         "HF_HUB_OFFLINE",

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from trellis.distributed.dispatch import Dispatch, Execute, get_dispatch_mode
+from trellis.distributed.dispatch import Dispatch, Execute, get_dispatch_mode, mesh_name_of
 
 REGISTER_ATTR = "__trellis_register__"
 PICK_MASTER_ENV = "TRELLIS_PICK_MASTER"
@@ -131,6 +131,12 @@ def registered_methods(cls: type) -> dict[str, MethodSpec]:
         if isinstance(spec, MethodSpec):
             found[name] = spec
     return found
+
+
+def mesh_names(cls: type) -> list[str]:
+    """The meshes the ``@register`` methods of ``cls`` are dispatched over (``make_nd_compute_*`` modes),
+    sorted: what each of its workers must register with ``_register_dispatch_collect_info``."""
+    return sorted({m for spec in registered_methods(cls).values() if (m := mesh_name_of(spec.dispatch_mode))})
 
 
 @contextlib.contextmanager

@@ -15,7 +15,15 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from trellis.distributed.dispatch import PAD_KEY, Dispatch, Execute, get_dispatch_mode, strip_padding
+from trellis.data.protocol import DataProto
+from trellis.distributed.dispatch import (
+    PAD_KEY,
+    Dispatch,
+    Execute,
+    get_dispatch_mode,
+    mesh_name_of,
+    strip_padding,
+)
 from trellis.distributed.future import DataProtoFuture
 from trellis.distributed.worker import REGISTER_ATTR, MethodSpec, Worker, registered_methods, worker_rank
 from trellis.utils.coroutines import run_coroutine
@@ -86,8 +94,9 @@ class WorkerGroup:
 
     def _caller(self, method: str, spec: MethodSpec) -> Any:
         dispatch_fn, collect_fn = get_dispatch_mode(spec.dispatch_mode)
+        mesh = mesh_name_of(spec.dispatch_mode)
         proto_collect = spec.dispatch_mode == Dispatch.DP_COMPUTE_PROTO or (
-            isinstance(spec.dispatch_mode, Mapping) and "mesh_name" in spec.dispatch_mode
+            mesh is not None and spec.dispatch_mode.get("concat", True)
         )
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -108,18 +117,20 @@ class WorkerGroup:
             if not spec.blocking:
                 if proto_collect:
                     return DataProtoFuture([futures[i] for i in self._collected(spec)], pad)
-                return futures
-            return strip_padding(collect_fn(self, self._get(futures)), pad)
+                return [futures[i] for i in self._collected(spec)] if mesh is not None else futures
+            result = collect_fn(self, self._get(futures))
+            # padding rows are rows of a DataProto; a list holds one output per worker (metric dicts)
+            return strip_padding(result, pad) if isinstance(result, DataProto) else result
 
         call.__name__ = method
         call.__doc__ = getattr(getattr(self._worker_cls, method, None), "__doc__", None)
         return call
 
     def _collected(self, spec: MethodSpec) -> list[int]:
-        """Ranks whose outputs make up a DataProto result, in data-parallel order."""
-        if isinstance(spec.dispatch_mode, Mapping) and "mesh_name" in spec.dispatch_mode:
-            ranks = self.dispatch_info(spec.dispatch_mode["mesh_name"])
-            collect = self.collect_info(spec.dispatch_mode["mesh_name"])
+        """Ranks whose outputs make up a result, in data-parallel order."""
+        mesh = mesh_name_of(spec.dispatch_mode)
+        if mesh is not None:
+            ranks, collect = self.dispatch_info(mesh), self.collect_info(mesh)
             return [i for _, i in sorted((r, i) for i, r in enumerate(ranks) if collect[i])]
         return list(range(self.world_size))
 
