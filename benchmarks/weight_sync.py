@@ -15,6 +15,15 @@ the config default; smaller buckets pipeline more). Every process uses one torch
 Prints the median seconds per sync, MB/s (10**6 bytes of the state dict per second) and the
 speed-up over the baseline (x > 1: faster). Target: ``shm`` beats the baseline. This is a
 measurement, never a pass/fail test.
+
+**End to end** (``--end-to-end``, on by default; needs Ray and the cached SmolLM2-135M-Instruct):
+the real pieces of ``rollout.mode=standalone``. A trainer rank (``ActorRolloutRefWorker`` with the
+``single`` engine, in this process) sends its weights, cast to ``model.dtype``, to a standalone
+``hf`` replica in a Ray actor of its own through each cross-process engine, and the replica loads
+them into the model it serves (``ReplicaManager.update_weights``). The baseline, in the same run:
+the trainer rank ``torch.save``-s the same weights to ``/dev/shm``, the replica ``torch.load``-s the
+file and loads it the same way. Times run from the trainer's first byte to the replica's model
+holding the last tensor.
 """
 
 from __future__ import annotations
@@ -210,13 +219,125 @@ def time_naive(dtype: str, kwargs: dict[str, Any], repeats: int, size: int) -> l
     return times[1:]
 
 
+# ---------------------------------------------------------------- end to end: trainer -> standalone replica
+
+
+def _baseline_actor() -> type:
+    """A replica process that can also load weights from a ``torch.save`` file (the baseline)."""
+    from trellis.rollout.remote import ReplicaActor
+
+    class FileLoadingReplicaActor(ReplicaActor):
+        async def load_file(self, path: str) -> tuple[float, int]:
+            state = await asyncio.to_thread(torch.load, path, map_location="cpu", weights_only=True)
+            await self.replica.update_weights(state.items())
+            return time.perf_counter(), sum(t.numel() * t.element_size() for t in state.values())
+
+    return FileLoadingReplicaActor
+
+
+def _time_transport(model_path: str, dtype: str, name: str, repeats: int) -> tuple[list[float], int]:
+    """Seconds per sync (warm-up dropped) and bytes per sync of one transport (``baseline`` or an engine)."""
+    import ray
+
+    from trellis.config import load_config
+    from trellis.distributed import ClassWithInitArgs, LocalWorkerGroup
+    from trellis.rollout.manager import ReplicaManager
+    from trellis.trainer.workers import ActorRolloutRefWorker
+
+    engine = "shm" if name == "baseline" else name
+    config = load_config(
+        overrides=[
+            f"model.path={model_path}",
+            f"model.dtype={dtype}",
+            "rollout.mode=standalone",
+            f"rollout.checkpoint_engine.name={engine}",
+            "trainer.run_dir=/tmp/trellis-bench-weight-sync",
+        ]
+    )
+    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, config))
+    group.init_model(1)
+    manager = ReplicaManager.start_standalone(config, actor_cls=_baseline_actor())
+    actor = group.workers[0].actor
+    times, size = [], 0
+    try:
+        if name == "baseline":
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            path = os.path.join(folder, f"trellis-bench-{os.getpid()}.pt")
+            replica = manager.replicas[0].actor
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                torch.save({n: t.to(actor.dtype) for n, t in actor.iter_full_params()}, path)
+                done, size = ray.get(replica.load_file.remote(path))
+                times.append(done - start)  # one host: perf_counter is the same clock in both
+            os.unlink(path)
+        else:
+            trainer_kwargs, rollout_kwargs = group.plan_rollout_sync(manager.world_size)[0]
+            manager.connect_weight_sync(rollout_kwargs, lambda: group.connect_rollout_sync(trainer_kwargs))
+            for _ in range(repeats + 1):
+                stats = manager.update_weights(group.send_rollout_weights)
+                times.append(stats.seconds)
+                size = stats.bytes
+    finally:
+        manager.shutdown()
+        group.release_rollout()
+    return times[1:], size
+
+
+def end_to_end(model_path: str, dtype: str, engines: list[str], repeats: int) -> None:
+    """One table block: the file baseline and each engine, trainer rank -> standalone replica."""
+    rows = [(name, *_time_transport(model_path, dtype, name, repeats)) for name in ["baseline", *engines]]
+    baseline = statistics.median(rows[0][1])
+    for name, times, size in rows:
+        seconds = statistics.median(times)
+        label = "torch.save + torch.load (/dev/shm)" if name == "baseline" else name
+        note = "baseline" if name == "baseline" else ""
+        print(
+            f"{dtype:9} {label:35} {size / 1e6:7.1f} {seconds:9.3f} {size / 1e6 / seconds:8.0f} "
+            f"{baseline / seconds:10.2f}x  {note}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", default="64,512", help="update_weights_bucket_megabytes values")
     parser.add_argument("--engines", default="naive,shm,gloo")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--end-to-end", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--only-end-to-end", action="store_true", help="skip the two-process table")
     args = parser.parse_args()
+    if not args.only_end_to_end:
+        two_processes(args)
+    if args.end_to_end:
+        _end_to_end_tables(args)
+
+
+def _end_to_end_tables(args: Any) -> None:
+    from _common import smollm2_or_note
+
+    path, note = smollm2_or_note(False)
+    if path is None:
+        print(f"\nEnd to end: {note}")
+        return
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        print(
+            f"\nEnd to end, SmolLM2-135M-Instruct: trainer rank (single engine, this process) -> standalone "
+            f"hf replica (Ray actor), into the served model; median of {args.repeats} after 1 warm-up; "
+            "default bucket (rollout.checkpoint_engine.update_weights_bucket_megabytes)"
+        )
+        print(f"{'dtype':9} {'transport':35} {'MB':>7} {'median s':>9} {'MB/s':>8} {'x baseline':>11}  note")
+        engines = [e for e in args.engines.split(",") if e and e != "naive"]  # naive: same process only
+        for dtype in [d for d in args.dtypes.split(",") if d]:
+            end_to_end(path, dtype, engines, args.repeats)
+    finally:
+        ray.shutdown()
+
+
+def two_processes(args: Any) -> None:
     torch.set_num_threads(1)
     engines = [e for e in args.engines.split(",") if e]
     buckets = [float(b) for b in args.bucket_mb.split(",") if b]

@@ -52,6 +52,7 @@ DATASET = "tests/test_data_dataset.py::"
 LOADER = DATASET + "test_worker_processes_give_the_same_batches_and_resume"
 TRAINER = "tests/test_trainer.py::"
 WEIGHT_SYNC = "tests/test_checkpoint_sync.py::test_manager_from_config_and_overrides"
+STANDALONE = "tests/test_rollout_standalone.py::"
 
 KNOBS: dict[str, tuple[str, ...]] = {
     # ---------------------------------------------------------------- data
@@ -130,9 +131,26 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "actor.optim.lr_warmup_steps": (OPTIM + "test_warmup_then_cosine_to_min_lr_ratio", ENGINE),
     "actor.optim.lr_scheduler": (OPTIM + "test_warmup_then_cosine_to_min_lr_ratio", ENGINE),
     "actor.optim.min_lr_ratio": (OPTIM + "test_warmup_then_cosine_to_min_lr_ratio", ENGINE),
+    "actor.offload.param": (
+        "tests/test_engine_offload.py::test_the_offload_knobs_reach_every_role",
+        "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
+        "tests/test_engine_offload.py::test_fsdp_offload_param_installs_fsdps_cpu_offload",
+        "tests/test_engine_offload.py::test_cuda_each_phase_brings_in_and_puts_back_the_offloaded_bytes",
+    ),
+    "actor.offload.optimizer": (
+        "tests/test_engine_offload.py::test_the_offload_knobs_reach_every_role",
+        "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
+        "tests/test_engine_offload.py::test_an_update_phase_drops_the_gradients_when_offloading",
+        "tests/test_engine_offload.py::test_fsdp_offload_param_installs_fsdps_cpu_offload",
+        "tests/test_engine_offload.py::test_cuda_each_phase_brings_in_and_puts_back_the_offloaded_bytes",
+    ),
     # ---------------------------------------------------------------- critic
     "critic.enable": (NEEDS_CHECKED, DERIVED),
     "critic.engine": (BAD_NAME,),
+    "critic.placement": (
+        "tests/test_trainer_placement.py::"
+        "test_critic_on_a_separate_pool_starts_its_own_actors_and_trains_the_same",
+    ),
     "critic.model_path": (ENGINE, DERIVED),
     "critic.ppo_mini_batch_size": (OBJECTIVE,),
     "critic.ppo_micro_batch_size_per_device": (ENGINE,),
@@ -155,13 +173,42 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "critic.optim.lr_warmup_steps": (OPTIM + "test_warmup_then_cosine_to_min_lr_ratio", ENGINE),
     "critic.optim.lr_scheduler": (OPTIM + "test_warmup_then_cosine_to_min_lr_ratio", ENGINE),
     "critic.optim.min_lr_ratio": (OPTIM + "test_warmup_then_cosine_to_min_lr_ratio", ENGINE),
+    "critic.offload.param": (
+        "tests/test_engine_offload.py::test_the_offload_knobs_reach_every_role",
+        "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
+        "tests/test_engine_offload.py::test_fsdp_offload_param_without_optimizer_is_refused_with_the_fix",
+    ),
+    "critic.offload.optimizer": (
+        "tests/test_engine_offload.py::test_the_offload_knobs_reach_every_role",
+        "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
+    ),
     # ---------------------------------------------------------------- ref
     "ref.enable": ("tests/test_config.py::test_cross_field_rules", DERIVED),
     "ref.engine": (BAD_NAME,),
     "ref.log_prob_micro_batch_size_per_device": (ENGINE, DEFAULTS),
+    "ref.offload.param": (
+        "tests/test_engine_offload.py::test_the_offload_knobs_reach_every_role",
+        "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
+        "tests/test_engine_offload.py::test_fsdp_offload_param_installs_fsdps_cpu_offload",
+    ),
+    "ref.offload.optimizer": (
+        "tests/test_engine_offload.py::test_ref_offload_optimizer_is_refused_with_the_fix",
+    ),
     # ---------------------------------------------------------------- rollout
     "rollout.name": (TRAINER + "test_replicas_with_their_own_weights_sleep_between_rollouts",),
-    "rollout.mode": (RUN_ROLLOUT,),
+    "rollout.mode": (RUN_ROLLOUT, STANDALONE + "test_standalone_replica_trains_like_colocated_through_shm"),
+    "rollout.nnodes": (
+        STANDALONE + "test_standalone_settings_are_checked",
+        STANDALONE + "test_standalone_replicas_are_placed_per_node_with_their_tensor_parallel_devices",
+    ),
+    "rollout.n_devices_per_node": (
+        STANDALONE + "test_two_fsdp_workers_two_replicas_two_agent_workers_over_gloo",
+        STANDALONE + "test_manager_starts_routes_sleeps_and_wakes_replicas",
+    ),
+    "rollout.agent.num_workers": (
+        STANDALONE + "test_a_blocking_tool_stalls_only_its_own_agent_worker",
+        STANDALONE + "test_two_fsdp_workers_two_replicas_two_agent_workers_over_gloo",
+    ),
     "rollout.n": (RUN_ROLLOUT,),
     "rollout.temperature": (SAMPLING, RUN_ROLLOUT),
     "rollout.top_p": (SAMPLING, RUN_ROLLOUT),
@@ -306,15 +353,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
 }
 
 _ACROSS_PROCESSES = "belongs to the issue on running the trainer across processes"
-DEFERRED: dict[str, str] = {
-    "actor.offload.param": _ACROSS_PROCESSES,
-    "actor.offload.optimizer": _ACROSS_PROCESSES,
-    "critic.offload.param": _ACROSS_PROCESSES,
-    "critic.offload.optimizer": _ACROSS_PROCESSES,
-    "ref.offload.param": _ACROSS_PROCESSES,
-    "ref.offload.optimizer": _ACROSS_PROCESSES,
-    "rollout.agent.num_workers": _ACROSS_PROCESSES,
-}
+DEFERRED: dict[str, str] = {}
 
 
 def schema_keys(cls: type = TrellisConfig, prefix: str = "") -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import trellis
-from trellis.checkpoint.training import CheckpointManager
+from trellis.checkpoint.training import load_rank_file
 from trellis.cli import main
 from trellis.hooks import get_plugin_manager, hookimpl
 from trellis.recipes.presets import digits_score, preset_overrides
@@ -129,8 +129,8 @@ def test_resume_mid_run_continues_bit_identically(tmp_path):
     resumed = run(tmp_path, *base, name="cut")  # resume_mode auto: from global_step_2
     assert resumed.steps == 4 and len(resumed.history) == 2
     assert [m["reward/mean"] for m in resumed.history] == [m["reward/mean"] for m in whole.history[2:]]
-    a = CheckpointManager(tmp_path / "whole" / "checkpoints").load(whole.last_checkpoint)["actor"]["model"]
-    b = CheckpointManager(tmp_path / "cut" / "checkpoints").load(resumed.last_checkpoint)["actor"]["model"]
+    a = load_rank_file(whole.last_checkpoint, 0, part="actor")["actor"]["model"]
+    b = load_rank_file(resumed.last_checkpoint, 0, part="actor")["actor"]["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -198,24 +198,6 @@ def test_unknown_preset_and_local_world_size_errors(tmp_path):
         preset_overrides("huge")
     with pytest.raises(ValueError, match=r"trainer\.executor=local runs one worker"):
         run(tmp_path, *QUICK, "trainer.n_devices_per_node=2")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")}
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def test_ray_executor_with_two_fsdp_workers_and_custom_components(tmp_path, ray_cluster):
@@ -293,8 +275,7 @@ def test_on_policy_steps_skip_the_old_log_prob_pass_with_the_same_update(tmp_pat
         trainer.recompute_old_log_probs = recompute
         result = trainer.fit()
         timings.append("timing/old_log_prob" in result.history[0])
-        manager = CheckpointManager(tmp_path / str(recompute) / "checkpoints")
-        weights.append(manager.load(result.last_checkpoint)["actor"]["model"])
+        weights.append(load_rank_file(result.last_checkpoint, 0, part="actor")["actor"]["model"])
     assert timings == [False, True]
     skipped, recomputed = weights
     for name in skipped:  # the same gradient: ratio 1 either way (to float rounding of the recomputation)
@@ -410,9 +391,7 @@ def _train_two_steps_with_the_cli(tmp_path, *overrides):
     assert main(argv) == 0
     with open(run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    from trellis.checkpoint.training import load_rank_file
-
-    trained = load_rank_file(run_dir / "checkpoints" / "global_step_2", 0)["actor"]["model"]
+    trained = load_rank_file(run_dir / "checkpoints" / "global_step_2", 0, part="actor")["actor"]["model"]
     return rows, trained
 
 

@@ -101,3 +101,8 @@ class CheckpointError(TrellisError, RuntimeError):
 class WeightSyncError(TrellisError, RuntimeError):
     """Weights could not be transferred to the rollout replicas (a peer vanished, a bucket did not
     match, a transport failed); the message names the engine and what went wrong."""
+
+
+class RolloutReplicaError(TrellisError, RuntimeError):
+    """A rollout replica in a process of its own died, did not start or stopped answering; the
+    message names the replica (its rank and process) and what happened."""

@@ -187,9 +187,7 @@ def actor_loss(
         **extra,
     )
     metrics: Metrics = dict(pg_metrics)
-    # pg_loss is this micro-batch's share of the global mean; as a metric, its own mean
-    share = float(mask.sum()) * info.get("dp_size", 1) / max(1.0, float(info.get("batch_num_tokens") or 1))
-    metrics["actor/pg_loss"] = pg_loss.detach() / max(share, 1e-12)
+    metrics["actor/pg_loss"] = _own_mean(pg_loss, mask, info)
     loss = pg_loss
 
     if entropy is not None:
@@ -241,6 +239,14 @@ def critic_loss(
         vpreds, returns, values, mask, cliprange_value, loss_agg_mode, global_batch_info=global_batch_info
     )
     metrics: Metrics = dict(value_metrics)
-    metrics["critic/vf_loss"] = loss.detach()
+    metrics["critic/vf_loss"] = _own_mean(loss, mask, global_batch_info)
     metrics["critic/vpred_mean"] = masked_mean(vpreds.detach(), mask)
     return loss, metrics
+
+
+def _own_mean(loss: torch.Tensor, mask: torch.Tensor, info: GlobalBatchInfo) -> torch.Tensor:
+    """A micro-batch's loss as a metric: the loss is its share of the global mini-batch's mean (scaled by
+    the data-parallel size, whose gradients are averaged); the metric undoes the share, giving the
+    micro-batch's own mean whatever the number of ranks and micro-batches."""
+    share = float(mask.sum()) * info.get("dp_size", 1) / max(1.0, float(info.get("batch_num_tokens") or 1))
+    return loss.detach() / max(share, 1e-12)

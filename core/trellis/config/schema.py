@@ -173,10 +173,23 @@ class OptimConfig(BaseConfig):
 
 @dataclass
 class OffloadConfig(BaseConfig):
-    """What a model keeps in host memory between uses, trading transfer time for device memory."""
+    """What a model keeps in host memory between uses, trading transfer time for device memory.
 
-    param: bool = knob(False, "Keep parameters in host memory while the model is not computing.")
-    optimizer: bool = knob(False, "Keep optimizer state in host memory between optimizer steps.")
+    The engine brings what a stage of the step computes with onto the device and puts it back after
+    (:meth:`trellis.engine.base.TrainingEngine.phase`); on a CPU device nothing moves. The ``fsdp``
+    engine offloads ``param`` with FSDP's own CPU offload, which keeps the optimizer state on the host
+    too, so there ``param`` needs ``optimizer``. The reference has no optimizer: its ``optimizer`` must
+    stay false. A combination that cannot work fails when the engine is built, naming the key.
+    """
+
+    param: bool = knob(
+        False,
+        "Keep parameters (and gradients) in host memory while the model is not computing. With "
+        "engine fsdp: FSDP's CPU offload, which streams them per block and needs optimizer: true.",
+    )
+    optimizer: bool = knob(
+        False, "Keep optimizer state in host memory between updates. Must stay false for ref (no optimizer)."
+    )
 
 
 @dataclass
@@ -280,6 +293,13 @@ class CriticConfig(BaseConfig):
         "it needs values (gae).",
     )
     engine: str = knob("single", "Training engine, a name in trellis.training_engines (see actor.engine).")
+    placement: Literal["colocated", "separate"] = knob(
+        "colocated",
+        "Where the critic's workers run. colocated: in the policy's worker processes (one per device, "
+        "holding both roles, which take turns on it). separate: a resource pool of its own, "
+        "trainer.nnodes × n_devices_per_node more workers (with executor=ray: twice the devices, for "
+        "models too large to share one).",
+    )
     model_path: str | None = knob(
         None, "Initial weights (hub id or folder) under the value head. null = model.path."
     )
@@ -329,7 +349,7 @@ class RefConfig(BaseConfig):
         4, "Responses per reference forward pass on one device.", ge=1
     )
     offload: OffloadConfig = section(
-        OffloadConfig, "Host-memory offload of the reference (optimizer: unused)."
+        OffloadConfig, "Host-memory offload of the reference (param only: it has no optimizer)."
     )
 
 
@@ -360,7 +380,10 @@ class AgentConfig(BaseConfig):
         "generates one response.",
     )
     num_workers: int = knob(
-        1, "Agent-loop workers; each drives many loops concurrently. 1 is enough for one replica.", ge=1
+        1,
+        "Processes running agent loops, each with its own event loop, so a loop that blocks stalls only "
+        "its worker. 1 = the trainer's process. More than 1 needs rollout.mode=standalone.",
+        ge=1,
     )
     max_turns: int | None = knob(
         None, "Most assistant turns per sample. null = bounded only by rollout.max_tokens.", ge=1
@@ -411,8 +434,17 @@ class RolloutConfig(BaseConfig):
     )
     mode: Literal["hybrid", "colocated", "standalone"] = knob(
         "hybrid",
-        "Where replicas run: hybrid (inside the training workers, taking turns on their devices), "
-        "colocated (own processes, same devices) or standalone (own devices). hybrid needs no extra devices.",
+        "Where replicas run: hybrid (inside the training workers, serving their weights where the engine "
+        "allows), colocated (inside the training workers, with a copy of the weights synced after each "
+        "update) or standalone (processes of their own on rollout.nnodes x rollout.n_devices_per_node "
+        "devices, weights sent through rollout.checkpoint_engine). hybrid needs no extra devices.",
+    )
+    nnodes: int = knob(1, "Machines the standalone replicas run on (rollout.mode=standalone only).", ge=1)
+    n_devices_per_node: int = knob(
+        1,
+        "Devices the standalone replicas use on each machine (cpu: processes); one replica per "
+        "rollout.tensor_parallel_size of them (rollout.mode=standalone only).",
+        ge=1,
     )
     n: int = knob(
         4,
@@ -464,6 +496,29 @@ class RolloutConfig(BaseConfig):
 
     def finalize(self) -> None:
         _check_sampling(self)
+        if self.mode != "standalone":
+            for key in ("nnodes", "n_devices_per_node"):
+                if getattr(self, key) != 1:
+                    raise ConfigValueError(
+                        key,
+                        getattr(self, key),
+                        "places standalone replicas only; set {p}mode=standalone or leave it at 1 "
+                        "(hybrid and colocated replicas run in the training workers)",
+                    )
+            if self.agent.num_workers != 1:
+                raise ConfigValueError(
+                    "agent.num_workers",
+                    self.agent.num_workers,
+                    "needs {p}mode=standalone: agent workers reach the replicas across processes, while "
+                    "hybrid and colocated replicas live inside each training worker, whose loops run there",
+                )
+        elif self.n_devices_per_node % self.tensor_parallel_size:
+            raise ConfigValueError(
+                "n_devices_per_node",
+                self.n_devices_per_node,
+                f"must be a multiple of {{p}}tensor_parallel_size ({self.tensor_parallel_size}): each "
+                "standalone replica takes that many devices of one machine",
+            )
 
 
 def _check_sampling(cfg: RolloutConfig | ValidationSamplingConfig) -> None:

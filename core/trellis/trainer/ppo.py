@@ -12,14 +12,14 @@ One step (DESIGN.md's data flow), each stage a visible call of :meth:`Trainer.tr
 The math of each stage is in :mod:`trellis.algorithms.objective`.
 
 The same code runs with ``trainer.executor=local`` (one process) and ``ray`` (one actor per worker;
-``nnodes x n_devices_per_node`` workers, the policy and the critic each in their own group).
+``nnodes x n_devices_per_node`` workers; by default each holds both the policy and the critic, reached
+through one group per role — see :meth:`Trainer._build_workers`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +32,7 @@ from trellis.algorithms.kl import get_kl_controller, kl_penalty
 from trellis.algorithms.masked import masked_mean
 from trellis.data.protocol import DataProto
 from trellis.trainer import metrics as M
+from trellis.trainer.workers import seed_process
 from trellis.utils.timing import marked_timer
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,6 @@ class TrainResult:
     reward_curve: str | None = None
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 class Trainer:
     """PPO-family RL on a :class:`~trellis.config.TrellisConfig`.
 
@@ -86,6 +81,11 @@ class Trainer:
         self.worker_env = dict(worker_env or {})
         self.run_dir = os.path.abspath(config.trainer.run_dir)
         self.groups: list[Any] = []
+        self._own_ray = False  # whether this trainer started the Ray cluster (and stops it)
+        self.replicas: Any = None
+        """The standalone replicas' :class:`~trellis.rollout.manager.ReplicaManager`
+        (rollout.mode=standalone); None when each training worker owns its replica."""
+        self.agent_workers: Any = None
         from trellis.config.needs import resolve_needs
 
         self.needs = resolve_needs(config)
@@ -129,45 +129,57 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps or per_epoch * cfg.trainer.total_epochs
 
     def _build_workers(self) -> None:
-        from trellis.distributed import ClassWithInitArgs, LocalWorkerGroup
+        """The worker groups, placed role by role on resource pools: ``actor_rollout`` (actor, rollout and
+        reference in one worker) and, when the run trains a value model, ``critic``. Roles on the same pool
+        (the default, ``critic.placement: colocated``) share its processes: one worker per device holds
+        both (``create_colocated_worker_cls``), reached through one group per role (``spawn``)."""
+        from trellis.distributed import ClassWithInitArgs, LocalWorkerGroup, create_colocated_worker_cls
         from trellis.trainer.workers import ActorRolloutRefWorker, CriticWorker
 
         cfg = self.config
         world = cfg.trainer.nnodes * cfg.trainer.n_devices_per_node
-        if cfg.trainer.executor == "local":
-            if world != 1:
-                raise ValueError(
-                    f"trainer.executor=local runs one worker; nnodes x n_devices_per_node is {world}. "
-                    "Use trainer.executor=ray for several workers."
-                )
-            self.actor_wg = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, cfg, self.reward_fn))
-            self.critic_wg = (
-                LocalWorkerGroup(ClassWithInitArgs(CriticWorker, cfg)) if cfg.critic.enable else None
+        if cfg.trainer.executor == "local" and world != 1:
+            raise ValueError(
+                f"trainer.executor=local runs one worker; nnodes x n_devices_per_node is {world}. "
+                "Use trainer.executor=ray for several workers."
             )
-        else:
-            from trellis.distributed import RayResourcePool, RayWorkerGroup
+        roles = {"actor_rollout": ClassWithInitArgs(ActorRolloutRefWorker, cfg, self.reward_fn)}
+        mapping = {"actor_rollout": "global_pool"}  # role -> resource pool
+        if cfg.critic.enable:
+            roles["critic"] = ClassWithInitArgs(CriticWorker, cfg)
+            mapping["critic"] = "global_pool" if cfg.critic.placement == "colocated" else "critic_pool"
+        pools: dict[str, list[str]] = {}
+        for role, pool in mapping.items():
+            pools.setdefault(pool, []).append(role)
+
+        def make_group(pool: str, cls: ClassWithInitArgs) -> Any:
+            return LocalWorkerGroup(cls)
+
+        if cfg.trainer.executor == "ray":
+            from trellis.distributed import RayWorkerGroup, ResourcePoolManager
 
             self._start_ray()
-
             device = None if cfg.trainer.device in ("auto", "cpu") else cfg.trainer.device
             nodes = [cfg.trainer.n_devices_per_node] * cfg.trainer.nnodes
+            manager = ResourcePoolManager({pool: nodes for pool in pools}, mapping, device_name=device)
             env = {"TRELLIS_NUM_THREADS": "1", **self.worker_env}
             if cfg.trainer.device != "auto":
                 env.setdefault("TRELLIS_DEVICE", cfg.trainer.device)
-            self.actor_wg = RayWorkerGroup(
-                RayResourcePool(nodes, device_name=device, name_prefix="actor"),
-                ClassWithInitArgs(ActorRolloutRefWorker, cfg, self.reward_fn),
-                env=env,
-            )
-            self.groups.append(self.actor_wg)
-            self.critic_wg = None
-            if cfg.critic.enable:
-                self.critic_wg = RayWorkerGroup(
-                    RayResourcePool(nodes, device_name=device, name_prefix="critic"),
-                    ClassWithInitArgs(CriticWorker, cfg),
-                    env=env,
-                )
-                self.groups.append(self.critic_wg)
+
+            def make_group(pool: str, cls: ClassWithInitArgs) -> Any:
+                group = RayWorkerGroup(manager.get_resource_pool(pools[pool][0]), cls, env=env)
+                self.groups.append(group)  # the roles' views share its actors: shut down once
+                return group
+
+        groups: dict[str, Any] = {}
+        for pool, pool_roles in pools.items():
+            if len(pool_roles) == 1:
+                groups[pool_roles[0]] = make_group(pool, roles[pool_roles[0]])
+            else:
+                combined = create_colocated_worker_cls({role: roles[role] for role in pool_roles})
+                groups.update(make_group(pool, combined).spawn(pool_roles))
+        self.actor_wg = groups["actor_rollout"]
+        self.critic_wg = groups.get("critic")
         self.world_size = world
         ranks = self.actor_wg.init_model(self.total_steps)
         self.rollout_has_own_weights = not all(info["shares_weights"] for info in ranks)
@@ -175,6 +187,26 @@ class Trainer:
         after every update, and they sleep through training when rollout.free_cache_engine is on."""
         if self.critic_wg is not None:
             self.critic_wg.init_model(self.total_steps)
+
+    def _build_rollout(self) -> None:
+        """``rollout.mode=standalone``: start the replicas on a pool of their own, join them and the
+        policy workers in the checkpoint engine's group, start the agent workers and send the initial
+        weights. Other modes: the training workers built their replicas already."""
+        cfg = self.config
+        if cfg.rollout.mode != "standalone":
+            return
+        from trellis.rollout.manager import AgentWorkerPool, ReplicaManager
+
+        self._start_ray()
+        self.replicas = ReplicaManager.start_standalone(cfg, env=self.worker_env)
+        self.rollout_has_own_weights = True
+        plan = self.actor_wg.plan_rollout_sync(self.replicas.world_size)[0]
+        trainer_kwargs, rollout_kwargs = plan
+        self.replicas.connect_weight_sync(
+            rollout_kwargs, lambda: self.actor_wg.connect_rollout_sync(trainer_kwargs)
+        )
+        self.agent_workers = AgentWorkerPool(cfg, self.replicas, self.tokenizer, env=self.worker_env)
+        self.sync_weights()
 
     def _build_trackers(self) -> None:
         from trellis.config.loader import to_dict
@@ -195,10 +227,11 @@ class Trainer:
 
         cfg = self.config
         os.makedirs(self.run_dir, exist_ok=True)
-        _seed_everything(cfg.trainer.seed)
+        seed_process(cfg.trainer.seed)
         hooks = get_plugin_manager().hook
         self._build_data()
         self._build_workers()
+        self._build_rollout()
         self.reward_manager = None  # reward.placement=driver: the driver scores
         if cfg.reward.placement == "driver":
             from trellis.trainer.workers import build_reward_manager
@@ -262,14 +295,14 @@ class Trainer:
         prompts = self._label(prompts, f"{self.step}-")
         with marked_timer("step", timings):
             with marked_timer("generate", timings):
-                batch = self.actor_wg.generate_sequences(_numbered(prompts.repeat(cfg.rollout.n)))
+                batch = self.generate_sequences(_numbered(prompts.repeat(cfg.rollout.n)))
             metrics.update(_worker_mean(batch.meta_info.pop("metrics", {}) or {}))
             greedy = None
             if "reward_baselines" in self.needs:  # remax: one greedy response per prompt
                 with marked_timer("generate_baseline", timings):
-                    greedy = self.actor_wg.generate_sequences(_numbered(_greedy(prompts)))
+                    greedy = self.generate_sequences(_numbered(_greedy(prompts)))
                 greedy.meta_info.pop("metrics", None)
-            if self.rollout_has_own_weights and cfg.rollout.free_cache_engine:
+            if self.replicas is None and self.rollout_has_own_weights and cfg.rollout.free_cache_engine:
                 with marked_timer("rollout_sleep", timings):
                     self.actor_wg.sleep_rollout()
             with marked_timer("score", timings):
@@ -298,12 +331,38 @@ class Trainer:
                 metrics.update(M.mean_metrics(self.actor_wg.update_actor(batch)))
             if self.rollout_has_own_weights:
                 with marked_timer("weight_sync", timings):
-                    self.actor_wg.sync_rollout_weights()
+                    metrics.update(self.sync_weights())
         metrics.update(M.compute_data_metrics(batch, cfg.data.max_response_length))
         metrics.update(M.compute_timing_metrics(timings))
         metrics.update(M.compute_throughput_metrics(batch, timings, self.world_size))
         metrics.update(M.peak_memory_metrics())
         return metrics
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """The generate stage: responses to ``prompts`` from the policy workers' replicas, or, in
+        standalone mode, from the agent workers over the standalone replicas (unscored)."""
+        if self.agent_workers is not None:
+            return self.agent_workers.generate_sequences(prompts)
+        return self.actor_wg.generate_sequences(prompts)
+
+    def sync_weights(self) -> dict[str, float]:
+        """The weight-sync stage: the actor's weights into every replica that keeps its own copy.
+
+        Standalone replicas receive while the policy workers send (through ``rollout.checkpoint_engine``);
+        other replicas are loaded by their own worker. Returns ``weight_sync/megabytes`` (what one replica
+        received) and ``weight_sync/mb_per_s`` (over the stage's wall time).
+        """
+        if self.replicas is not None:
+            stats = self.replicas.update_weights(self.actor_wg.send_rollout_weights)
+            sent, seconds = float(stats.bytes), stats.seconds
+        else:
+            ranks = self.actor_wg.sync_rollout_weights()
+            sent = max(float(r["bytes"]) for r in ranks)
+            seconds = max(float(r["seconds"]) for r in ranks)
+        return {
+            "weight_sync/megabytes": sent / 1e6,
+            "weight_sync/mb_per_s": sent / 1e6 / seconds if seconds > 0 else 0.0,
+        }
 
     def score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """The score stage: ``token_level_scores`` for ``batch``, computed where ``reward.placement``
@@ -404,7 +463,7 @@ class Trainer:
             prompts = val_set.collate_fn([val_set[i] for i in range(start, min(start + size, len(val_set)))])
             prompts = self._label(prompts, f"val-{start}-")
             prompts.meta_info["validate"] = True
-            out = self.actor_wg.generate_sequences(_numbered(prompts.repeat(n, interleave=True)))
+            out = self.generate_sequences(_numbered(prompts.repeat(n, interleave=True)))
             out.meta_info.pop("metrics", None)
             out, _ = self.score(out)
             row_scores = out.tensors["token_level_scores"].sum(-1)
@@ -451,69 +510,71 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _checkpoints(self, rank: int, barrier: Any) -> Any:
+    def _checkpoints(self) -> Any:
+        """The run's checkpoints, ``<run_dir>/checkpoints``: one resumes here only when it holds a policy
+        shard (and, with a critic, a critic shard) for each of this run's workers."""
         from trellis.checkpoint.training import CheckpointManager
 
+        parts = {"actor": self.world_size}
+        if getattr(self, "critic_wg", None) is not None:
+            parts["critic"] = self.world_size
         return CheckpointManager(
             os.path.join(self.run_dir, "checkpoints"),
             max_to_keep=self.config.trainer.max_actor_ckpt_to_keep,
-            rank=rank,
-            world_size=self.world_size,
-            barrier=barrier,
+            parts=parts,
         )
 
     def _save_checkpoint(self) -> str:
-        """One file per worker rank (its engine shards), written by as many threads meeting at a barrier,
-        so the checkpoint has the layout of a run whose ranks saved themselves."""
-        import threading
-        from concurrent.futures import ThreadPoolExecutor
+        """Checkpoint the run at ``self.step``; returns the folder.
 
+        The driver opens the save; every worker writes its own shard (its engine's state and its
+        process's RNG state, ``actor/rank_R.pt``, ``critic/rank_R.pt``) and returns only the shard's
+        size and sha256, so no tensor of the training state passes through the driver. Once every
+        worker's call has returned (the barrier across the groups), the driver writes its own state
+        (step, data loader position, KL coefficient, its RNG: ``trainer/rank_0.pt``) and publishes
+        the checkpoint: manifest, rename into ``global_step_<step>``, ``latest`` pointer, pruning.
+        """
         from trellis.checkpoint.rng import capture_rng_state
 
-        actor = self.actor_wg.state_dict()
-        critic = self.critic_wg.state_dict() if self.critic_wg is not None else None
+        manager = self._checkpoints()
+        manager.begin(self.step)
+        self.actor_wg.save_checkpoint(manager.root, self.step)
+        if self.critic_wg is not None:
+            self.critic_wg.save_checkpoint(manager.root, self.step)
         trainer = {
             "step": self.step,
             "loader": self.loader.state_dict(),
             "kl_coef": float(getattr(self.kl_ctrl, "value", 0.0)),
             "rng": capture_rng_state(),
         }
-        barrier = threading.Barrier(self.world_size)
-
-        def save(rank: int) -> str:
-            states: dict[str, Any] = {"actor": actor[rank], "trainer": trainer}
-            if critic is not None:
-                states["critic"] = critic[rank]
-            return self._checkpoints(rank, barrier.wait).save(self.step, states, hf_files=self._hf_files())
-
-        with ThreadPoolExecutor(self.world_size) as pool:
-            paths = list(pool.map(save, range(self.world_size)))
-        return paths[0]
+        manager.save_shard(self.step, "trainer", 0, {"trainer": trainer})
+        parts = {**(manager.parts or {}), "trainer": 1}
+        return manager.publish(self.step, parts, hf_files=self._hf_files())
 
     def _hf_files(self) -> str | None:
         path = self.config.model.tokenizer_path or self.config.model.path
         return path if path and os.path.isdir(path) else None
 
     def _resume(self, result: TrainResult) -> None:
+        """Continue from the checkpoint ``trainer.resume_mode`` picks, if any: the driver reads its own
+        part (step, loader position, KL coefficient, RNG), each worker reads its own shard."""
         from trellis.checkpoint.rng import restore_rng_state
+        from trellis.checkpoint.training import load_rank_file
 
         trainer = self.config.trainer
-        path = self._checkpoints(0, lambda: None).resolve_resume(
-            trainer.resume_mode, trainer.resume_from_path
-        )
+        path = self._checkpoints().resolve_resume(trainer.resume_mode, trainer.resume_from_path)
         if path is None:
             return
-        ranks = [self._checkpoints(rank, lambda: None).load(path) for rank in range(self.world_size)]
-        self.actor_wg.load_state_dict([states["actor"] for states in ranks])
-        self.actor_wg.sync_rollout_weights()  # the replicas generate with the restored weights
+        saved = load_rank_file(path, 0, part="trainer")["trainer"]
+        self.actor_wg.load_checkpoint(path)
+        self.sync_weights()  # the replicas (own copies, standalone or not) generate with the restored weights
         if self.critic_wg is not None:
-            self.critic_wg.load_state_dict([states["critic"] for states in ranks])
-        saved = ranks[0]["trainer"]
+            self.critic_wg.load_checkpoint(path)
         self.step = int(saved["step"])
         self.loader.load_state_dict(saved["loader"])
         if hasattr(self.kl_ctrl, "value"):
             self.kl_ctrl.value = float(saved["kl_coef"])
-        restore_rng_state(saved["rng"])
+        restore_rng_state(saved["rng"])  # last: with local workers, one process holds every state
         result.last_checkpoint = path
         logger.info("Resumed from %s at step %d.", path, self.step)
 
@@ -521,7 +582,7 @@ class Trainer:
         """The kept checkpoint of the step with the highest validation reward (else the last one)."""
         if result.last_checkpoint is None:
             return None
-        manager = self._checkpoints(0, lambda: None)
+        manager = self._checkpoints()
         kept = set(manager.steps())
         scored = [(m["val/reward/mean"], step) for step, m in result.validation if step in kept]
         if not scored:
@@ -545,7 +606,6 @@ class Trainer:
         local one sized to this machine, which :meth:`_shutdown` stops again."""
         import ray
 
-        self._own_ray = False
         if ray.is_initialized():
             return
         try:
@@ -558,6 +618,14 @@ class Trainer:
         close = getattr(getattr(self, "reward_manager", None), "close", None)
         if close is not None:  # the async manager's scoring processes (reward.placement=driver)
             close()
+        for owner in ("agent_workers", "replicas"):  # standalone: processes this trainer started
+            part = getattr(self, owner, None)
+            setattr(self, owner, None)
+            if part is not None:
+                try:
+                    part.shutdown()
+                except Exception:
+                    logger.exception("Could not shut the standalone %s down.", owner)
         actor_wg = getattr(self, "actor_wg", None)
         if actor_wg is not None:  # engines of plugin replicas run processes of their own
             try:

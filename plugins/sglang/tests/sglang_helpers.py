@@ -46,13 +46,18 @@ def run(
 
 
 def live_threads() -> set[threading.Thread]:
-    """This process's threads, after starting the one a first CPU tensor sent to another process starts.
+    """This process's threads, after starting those that live as long as the process once started: the
+    one a first CPU tensor sent to another process starts, and tqdm's monitor (a first progress bar).
 
     The fake's serializer pickles CPU tensors as SGLang's does CUDA ones; the first such tensor
     starts multiprocessing's resource sharer, a thread that then lives as long as the process.
     """
+    import io
+
     import torch
+    from tqdm import tqdm
     from trellis_sglang.testing import serialize
 
     serialize([("warm-up", torch.zeros(1))])
+    tqdm(total=0, file=io.StringIO()).close()  # tqdm's monitor thread, too, lives as long as the process
     return set(threading.enumerate())

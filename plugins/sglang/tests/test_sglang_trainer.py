@@ -23,6 +23,9 @@ def test_grpo_three_steps_with_rollout_name_sglang(tmp_path, monkeypatch, fake):
     threads_before = live_threads()
     # 3 steps; weight sync each step; the fake's log-probs equal the trainer's (same fp32 weights)
     result = check_grpo_run("sglang", str(tmp_path / "run"))
+    # checked before this test loads a model itself (transformers' loading threads linger a moment)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("trellis-sglang")]
+    assert live_threads() <= threads_before  # none the run started is left
     for metrics in result.history:
         assert metrics["rollout_corr/kl_k3"] == pytest.approx(0.0, abs=1e-5)
 
@@ -56,9 +59,6 @@ def test_grpo_three_steps_with_rollout_name_sglang(tmp_path, monkeypatch, fake):
     served = dict(engine.model.named_parameters())
     assert any(not torch.equal(served[k], v) for k, v in start.named_parameters())
     assert engine.is_shut_down
-    # and the replica's loop thread is gone with it
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("trellis-sglang")]
-    assert live_threads() <= threads_before  # none started here is left
 
 
 def _phases(calls):
@@ -73,3 +73,47 @@ def _phases(calls):
         else:
             phases.append((name, [kwargs]))
     return phases
+
+
+FAKE_BACKED = """
+import os
+
+from trellis_sglang.replica import SGLangRolloutReplica
+from trellis_sglang.testing import FakeSGLang
+
+# this module is imported inside the replica's own process: the fake lives there, with the engine
+FAKE = FakeSGLang(main_thread_engine=False)  # an actor's event loop is not its main thread
+
+
+class FakeBackedSGLang(SGLangRolloutReplica):
+    load_sglang = staticmethod(lambda: FAKE.api)
+
+    async def generate(self, prompt_ids, sampling_params, request_id):
+        with open(CALLS, "a") as log:  # which process served which request
+            log.write(f"{os.getpid()} {request_id}\\n")
+        return await super().generate(prompt_ids, sampling_params, request_id)
+"""
+
+
+def test_standalone_sglang_replica_in_its_own_process_trains_through_shm(tmp_path, monkeypatch):
+    """rollout.mode=standalone with the SGLang replica (on the fake) in a Ray actor of its own: weights
+    arrive through the shm checkpoint engine, log-probs still equal the trainer's."""
+    import os
+
+    pytest.importorskip("ray")
+    from trellis.testing.rollout import check_grpo_run
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every Ray process on 127.0.0.1
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    calls = tmp_path / "calls.txt"
+    replica = tmp_path / "fake_backed.py"
+    replica.write_text(f"CALLS = {str(calls)!r}\n" + FAKE_BACKED)
+    overrides = ["rollout.mode=standalone", "rollout.checkpoint_engine.name=shm"]
+    result = check_grpo_run(f"{replica}:FakeBackedSGLang", str(tmp_path / "run"), overrides=overrides)
+    for metrics in result.history:  # the replica generates with the weights the trainer sent it
+        assert metrics["rollout_corr/kl_k3"] == pytest.approx(0.0, abs=1e-5)
+        assert metrics["weight_sync/megabytes"] > 0.4
+    served = [line.split() for line in calls.read_text().splitlines()]
+    assert len(served) == 3 * 32  # 3 steps of 8 prompts x 4 samples
+    assert {pid for pid, _ in served} != {str(os.getpid())} and len({pid for pid, _ in served}) == 1

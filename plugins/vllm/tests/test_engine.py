@@ -341,6 +341,27 @@ def test_grpo_with_the_engine_inside_ray_workers(tmp_path, monkeypatch):
     assert _engine_processes_anywhere() - before == set()  # shut down before the workers were killed
 
 
+def test_grpo_with_the_engine_in_a_standalone_replica_process(tmp_path, monkeypatch):
+    """rollout.mode=standalone: the vLLM engine lives in a replica actor of its own; the trainer's
+    weights reach it through the shm checkpoint engine every step, and its log-probs stay the trainer's."""
+    pytest.importorskip("ray")
+    from trellis.testing.rollout import check_grpo_run
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    before = _engine_processes_anywhere()
+    overrides = ["rollout.mode=standalone", "rollout.checkpoint_engine.name=shm"]
+    result = check_grpo_run("vllm", str(tmp_path / "run"), overrides=overrides)
+    assert result.steps == 3
+    for metrics in result.history:
+        assert metrics["rollout_corr/kl_k3"] == pytest.approx(0.0, abs=1e-6)
+        assert metrics["weight_sync/megabytes"] > 0.4 and metrics["weight_sync/mb_per_s"] > 0
+    deadline = time.time() + 30
+    while _engine_processes_anywhere() - before and time.time() < deadline:
+        time.sleep(0.5)
+    assert _engine_processes_anywhere() - before == set()  # the manager shut the engine down
+
+
 class TestVLLMReplicaContract(RolloutReplicaContract):
     replica_name = "vllm"
     mode = "colocated"

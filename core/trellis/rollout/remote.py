@@ -1,0 +1,227 @@
+"""Rollout replicas and agent loops in processes of their own (``rollout.mode=standalone``).
+
+:class:`ReplicaActor` hosts one registered replica (``hf``, ``vllm``, a plugin's) in a Ray actor on
+its own devices; :class:`RemoteReplica` is the trainer-side handle on it, a
+:class:`~trellis.rollout.RolloutReplica` whose calls cross the process boundary, so agent loops and
+the router use it like an in-process replica. Weights reach a replica actor only through its
+checkpoint engine (:meth:`ReplicaActor.connect_weight_sync`, then :meth:`ReplicaActor.receive_weights`
+each step, while the trainer's ranks send). :class:`AgentWorker` runs agent loops in a process of its
+own, over remote replicas (``rollout.agent.num_workers``).
+
+Ray is imported only by the code that starts these actors (:mod:`trellis.rollout.manager`): the classes
+here are plain classes that Ray wraps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from trellis.data.protocol import DataProto
+from trellis.errors import RolloutReplicaError
+from trellis.rollout.base import RolloutReplica
+from trellis.rollout.sampling import SamplingParams, TokenOutput
+
+
+def _set_threads() -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("TRELLIS_NUM_THREADS", torch.get_num_threads())))
+
+
+async def wake_and_resume(replica: Any) -> None:
+    """Wake ``replica`` and let it serve again (``resume`` where the backend stages its wake-up)."""
+    await replica.wake_up()
+    resume = getattr(replica, "resume", None)
+    if resume is not None:
+        await resume()
+
+
+class ReplicaActor:
+    """One rollout replica in its own process: built from the run's config, served over Ray.
+
+    Every method is ``async`` (Ray runs them on one event loop), so concurrent ``generate`` calls
+    reach the replica together and it batches them as it would in process.
+
+    Args:
+        replica_rank: the replica's index among the run's replicas.
+        config: the run's :class:`~trellis.config.TrellisConfig` (``rollout``, ``model``).
+    """
+
+    def __init__(self, replica_rank: int, config: Any) -> None:
+        from trellis.registries import rollout_replicas
+
+        _set_threads()
+        self.config = config
+        self.replica_rank = replica_rank
+        self.replica = rollout_replicas.get(config.rollout.name)(replica_rank, config.rollout, config.model)
+        self._sync: Any = None  # the WeightSyncManager and the connected engine, once connected
+        self._engine: Any = None
+
+    async def init(self) -> dict[str, Any]:
+        """Load the model (``model.path``) and start serving; the process id and server address."""
+        from trellis.utils.tokenizer import hf_tokenizer
+
+        model = self.config.model
+        tokenizer = hf_tokenizer(
+            model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code
+        )
+        await self.replica.init("standalone", tokenizer=tokenizer)
+        return {"pid": os.getpid(), "server_address": self.replica.server_address}
+
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
+    ) -> TokenOutput:
+        return await self.replica.generate(prompt_ids, sampling_params, request_id)
+
+    async def sleep(self) -> None:
+        await self.replica.sleep()
+
+    async def wake_up(self) -> None:
+        await wake_and_resume(self.replica)
+
+    async def ping(self) -> int:
+        """This process's id (a health check that the actor answers)."""
+        return os.getpid()
+
+    async def connect_weight_sync(self, kwargs: dict[str, Any]) -> None:
+        """Join the weight-sync group as a receiver, with the kwargs the trainer's plan gave this rank.
+
+        Blocks (in a thread) until the trainer's ranks join too; they call concurrently.
+        """
+        from trellis.checkpoint.sync import WeightSyncManager
+
+        self._sync = WeightSyncManager(self.config.rollout.checkpoint_engine)
+        engine = self._sync.create_engine()
+        try:
+            await asyncio.to_thread(engine.init_process_group, **kwargs)
+        except BaseException:
+            engine.finalize()
+            raise
+        self._engine = engine
+
+    async def receive_weights(self) -> dict[str, float]:
+        """The receiving half of one weight sync: wake the replica, load every bucket, resume it.
+
+        Returns ``{"tensors", "bytes", "seconds"}`` as loaded.
+        """
+        if self._engine is None:
+            raise RolloutReplicaError(
+                f"rollout replica {self.replica_rank}: receive_weights before connect_weight_sync; the "
+                "replica manager connects the checkpoint engine first."
+            )
+        stats = await self._sync.receive(self._engine, [self.replica])
+        return {"tensors": float(stats.tensors), "bytes": float(stats.bytes), "seconds": stats.seconds}
+
+    async def shutdown(self) -> None:
+        """Finalize the checkpoint engine and shut the replica's engine down."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.finalize()
+        shutdown = getattr(self.replica, "shutdown", None)
+        if shutdown is not None:
+            await shutdown()
+
+
+class RemoteReplica(RolloutReplica):
+    """The trainer's handle on a :class:`ReplicaActor`: a replica whose calls run in another process.
+
+    ``init`` and weight updates go through the :class:`~trellis.rollout.manager.ReplicaManager`
+    (the actor loads its own model; weights arrive through the checkpoint engine), so calling them here
+    is an error that says so. A call to a dead actor raises :class:`RolloutReplicaError` naming it.
+    """
+
+    def __init__(self, actor: Any, replica_rank: int, rollout_config: Any, model_config: Any) -> None:
+        super().__init__(replica_rank, rollout_config, model_config)
+        self.actor = actor
+        self.mode = "standalone"
+        self.pid: int | None = None
+        self._address: str | None = None
+
+    def describe(self) -> str:
+        """``rollout replica <rank> (pid <pid>)``, as error messages name it."""
+        pid = f" (pid {self.pid})" if self.pid is not None else ""
+        return f"rollout replica {self.replica_rank}{pid}"
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayActorError as exc:
+            raise RolloutReplicaError(
+                f"{self.describe()} is dead ({type(exc).__name__}) during {method}; its process exited. "
+                "Check its log (ray logs) and restart the run, which resumes from the last checkpoint."
+            ) from exc
+
+    async def init(
+        self, mode: str = "standalone", *, model: Any = None, tokenizer: Any = None, device: Any = None
+    ) -> None:
+        raise RolloutReplicaError(
+            f"{self.describe()} is started by its ReplicaManager (ReplicaManager.start_standalone), "
+            "not through init()."
+        )
+
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
+    ) -> TokenOutput:
+        self.check_request(prompt_ids, sampling_params, request_id)
+        return await self._call("generate", list(prompt_ids), sampling_params, request_id)
+
+    async def sleep(self) -> None:
+        await self._call("sleep")
+        self.asleep = True
+
+    async def wake_up(self) -> None:
+        await self._call("wake_up")
+        self.asleep = False
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        raise RolloutReplicaError(
+            f"{self.describe()} runs in its own process: its weights arrive through the checkpoint "
+            "engine (ReplicaManager.update_weights with the trainer's send), not as tensors passed here."
+        )
+
+    @property
+    def server_address(self) -> str | None:
+        return self._address
+
+
+class AgentWorker:
+    """Agent loops in a process of their own, over the run's remote replicas (a Ray actor).
+
+    ``rollout.agent.num_workers`` of them split each batch of prompts; each runs its share's loops on
+    its own event loop, so a loop that blocks (a slow synchronous tool) stalls only its worker.
+
+    Args:
+        config: the run's :class:`~trellis.config.TrellisConfig`.
+        replicas: ``(replica_rank, actor handle, pid)`` of every replica.
+    """
+
+    def __init__(self, config: Any, replicas: list[tuple[int, Any, int | None]]) -> None:
+        from trellis.rollout.agent_loop import AgentLoopManager
+        from trellis.utils.tokenizer import hf_tokenizer
+
+        _set_threads()
+        self.config = config
+        handles = []
+        for rank, actor, pid in replicas:
+            handle = RemoteReplica(actor, rank, config.rollout, config.model)
+            handle.pid = pid
+            handles.append(handle)
+        model = config.model
+        tokenizer = hf_tokenizer(
+            model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code
+        )
+        self.agents = AgentLoopManager(
+            config.rollout, handles, tokenizer, response_length=config.data.max_response_length
+        )
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """This worker's share of a batch, generated (see ``AgentLoopManager.generate_sequences``)."""
+        return self.agents.generate_sequences(prompts)
+
+    def ping(self) -> int:
+        return os.getpid()
