@@ -4,23 +4,27 @@ Both runs must agree on the forward outputs, the loss, the gradient norm and eve
 weight (to 1e-5), for ``token-mean`` and ``seq-mean-token-mean`` aggregation with gradient
 accumulation, for packed sequences with dynamic micro-batches on unevenly split shares (one
 rank then runs zero-weight dummy micro-batches), and for a critic. The two processes also check
-that a sharded ``state_dict`` saved and loaded into fresh engines resumes bit-identically.
+that a sharded ``state_dict`` saved and loaded into fresh engines resumes bit-identically, and
+that only rank 0 reads the checkpoint: rank 1 builds its model on the meta device and ends with
+exactly the weights and buffers a ``single`` engine loads (actor, critic, FSDP's CPU offload).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from test_engine_base import make_batch, policy_loss_fn, value_loss_fn
 
-from trellis.config.schema import ActorConfig, CriticConfig, ModelConfig, OptimConfig
+from trellis.config.schema import ActorConfig, CriticConfig, ModelConfig, OffloadConfig, OptimConfig
 
 WORLD = 2
 GLOBAL_BATCH = 8
@@ -36,8 +40,17 @@ CASES = {
 }
 TOLERANCE = {"bfloat16": 5e-2}  # FSDP casts the weights, single autocasts the ops: close, not equal
 
+# name -> (case of CASES, offload.param and offload.optimizer): engines whose loaded state is compared
+LOAD_CASES = {
+    "actor": ("token-mean", False),
+    "critic": ("critic", False),
+    "actor-offload": ("token-mean", True),
+    "critic-offload": ("critic", True),
+}
+ENGINES_PER_WORKER = len(CASES) + 2 + len(LOAD_CASES)  # the resume check builds two
 
-def _build(engine_cls, path, case, **kwargs):
+
+def _build(engine_cls, path, case, offload=False, **kwargs):
     role, _, packed, budget, _, settings = CASES[case]
     model = ModelConfig(path=path, use_remove_padding=packed, **{"dtype": "float32", **settings})
     section = CriticConfig if role == "critic" else ActorConfig
@@ -46,6 +59,7 @@ def _build(engine_cls, path, case, **kwargs):
         use_dynamic_bsz=budget is not None,
         max_token_len_per_micro_batch=budget or 16384,
         optim=OptimConfig(lr=1e-2),
+        offload=OffloadConfig(param=offload, optimizer=offload),
     )
     return engine_cls(model, role_config, role=role, device="cpu", **kwargs)
 
@@ -62,14 +76,50 @@ def _run_case(engine, case, rows):
     return {"outputs": outputs, "metrics": metrics, "step": step, "params": params}
 
 
-def _steps(engine, rows, seeds):
+def _steps(engine, rows, seeds, loss_fn=None):
+    loss_fn = loss_fn or policy_loss_fn("seq-mean-token-mean")
     losses = []
     for seed in seeds:
         engine.zero_grad()
         batch = make_batch(GLOBAL_BATCH, seed=seed)[rows]
-        losses.append(engine.forward_backward(batch, policy_loss_fn("seq-mean-token-mean"))["loss"])
-        engine.optimizer_step()
+        with engine.phase(optimizer=True):
+            losses.append(engine.forward_backward(batch, loss_fn)["loss"])
+            engine.optimizer_step()
     return losses, {name: tensor.clone() for name, tensor in engine.iter_full_params()}
+
+
+def _loaded_state(engine):
+    """The engine's whole state as loaded: every state-dict entry, and every buffer (non-persistent too)."""
+    state = {name: tensor.clone() for name, tensor in engine.iter_full_params()}
+    state.update({f"buffer:{name}": buf.detach().cpu().clone() for name, buf in engine.model.named_buffers()})
+    return state
+
+
+def _load_case(engine_cls, path, name, rows):
+    """Build one of LOAD_CASES: its state as loaded, whether its embeddings are tied, then 2 steps."""
+    case, offload = LOAD_CASES[name]
+    engine = _build(engine_cls, path, case, offload=offload)
+    model = engine.model
+    tied = hasattr(model, "lm_head") and model.lm_head.weight is model.get_input_embeddings().weight
+    loss_fn = value_loss_fn if CASES[case][0] == "critic" else None
+    state = _loaded_state(engine)
+    return {"state": state, "tied": tied, "steps": _steps(engine, rows, seeds=[0, 1], loss_fn=loss_fn)}
+
+
+@contextlib.contextmanager
+def _counting_from_pretrained():
+    """Count ``PreTrainedModel.from_pretrained`` calls (every weight load of every model class)."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["from_pretrained"].__func__
+    calls: list[str] = []
+
+    def counted(cls, *args, **kwargs):
+        calls.append(cls.__name__)
+        return original(cls, *args, **kwargs)
+
+    with mock.patch.object(PreTrainedModel, "from_pretrained", classmethod(counted)):
+        yield calls
 
 
 def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
@@ -87,25 +137,42 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
         timeout=timedelta(seconds=90),
     )
     try:
-        results = {}
-        for case, (*_, first_rows, _) in CASES.items():
-            rows = list(range(first_rows)) if rank == 0 else list(range(first_rows, GLOBAL_BATCH))
-            results[case] = _run_case(_build(FSDPEngine, path, case), case, rows)
-
-        # resume: step, offload round trip, save this rank's shards; 2 more steps vs. a fresh engine
-        rows = [rank * 4 + i for i in range(4)]
-        engine = _build(FSDPEngine, path, "token-mean")
-        _steps(engine, rows, seeds=[0])
-        engine.to("cpu")
-        state_file = Path(out_dir) / f"state{rank}.pt"
-        torch.save(engine.state_dict(), state_file)
-        expected = _steps(engine, rows, seeds=[1, 2])
-        fresh = _build(FSDPEngine, path, "token-mean")
-        fresh.load_state_dict(torch.load(state_file, weights_only=False))
-        results["resume"] = {"expected": expected, "resumed": _steps(fresh, rows, seeds=[1, 2])}
+        with _counting_from_pretrained() as loads:
+            results = _rank_results(FSDPEngine, rank, path, out_dir)
+        results["from_pretrained_calls"] = loads
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _rank_results(engine_cls, rank: int, path: str, out_dir: str) -> dict:
+    results = {}
+    for case, (*_, first_rows, _) in CASES.items():
+        rows = list(range(first_rows)) if rank == 0 else list(range(first_rows, GLOBAL_BATCH))
+        results[case] = _run_case(_build(engine_cls, path, case), case, rows)
+
+    # resume: step, offload round trip, save this rank's shards; 2 more steps vs. a fresh engine
+    rows = [rank * 4 + i for i in range(4)]
+    engine = _build(engine_cls, path, "token-mean")
+    _steps(engine, rows, seeds=[0])
+    engine.to("cpu")
+    state_file = Path(out_dir) / f"state{rank}.pt"
+    torch.save(engine.state_dict(), state_file)
+    expected = _steps(engine, rows, seeds=[1, 2])
+    fresh = _build(engine_cls, path, "token-mean")
+    fresh.load_state_dict(torch.load(state_file, weights_only=False))
+    results["resume"] = {"expected": expected, "resumed": _steps(fresh, rows, seeds=[1, 2])}
+
+    # loading: rank 0 reads the checkpoint, rank 1 receives its weights
+    for name in LOAD_CASES:
+        results[f"load/{name}"] = _load_case(engine_cls, path, name, rows)
+    # rank 0 failing to read the weights: rank 1 must hear of it, not wait for them
+    error = OSError("model.safetensors is unreadable")
+    unreadable = mock.patch("trellis.engine.fsdp.load_model", side_effect=error)
+    with unreadable, pytest.raises(Exception) as failed:
+        _build(engine_cls, path, "token-mean")
+    results["load/failure"] = f"{failed.type.__name__}: {failed.value}"
+    return results
 
 
 def _free_port() -> int:
@@ -199,6 +266,76 @@ def _initial(path, case):
 
         _INITIAL[role] = dict(_build(SingleEngine, path, case).iter_full_params())
     return _INITIAL[role]
+
+
+def test_fsdp_only_rank0_reads_the_checkpoint(fsdp_results):
+    rank0, rank1 = (results["from_pretrained_calls"] for results in fsdp_results)
+    assert len(rank0) == ENGINES_PER_WORKER
+    assert set(rank0) == {"LlamaForCausalLM", "LlamaForTokenClassification"}
+    assert rank1 == []
+
+
+def test_fsdp_load_failure_on_rank0_stops_every_rank(fsdp_results):
+    assert [results["load/failure"] for results in fsdp_results] == [
+        "OSError: model.safetensors is unreadable",
+        "EngineError: fsdp rank 1: another rank of the process group failed to build the actor model; "
+        "its error says why.",
+    ]
+
+
+@pytest.mark.parametrize("name", list(LOAD_CASES))
+def test_fsdp_ranks_hold_rank0_weights(fsdp_results, tiny_model_path, name):
+    """Every rank's parameters and buffers (rotary inv_freq, the critic's seeded value head) are
+    exactly a single engine's; tied embeddings stay tied; 2 steps match the single engine's."""
+    from trellis.engine.single import SingleEngine
+
+    expected = _load_case(SingleEngine, tiny_model_path, name, list(range(GLOBAL_BATCH)))
+    assert "buffer:model.rotary_emb.inv_freq" in expected["state"]
+    assert ("score.weight" in expected["state"]) == (LOAD_CASES[name][0] == "critic")
+    assert expected["tied"] == (LOAD_CASES[name][0] != "critic")
+    expected_losses, expected_params = expected["steps"]
+    for rank, results in enumerate(fsdp_results):
+        loaded = results[f"load/{name}"]
+        assert loaded["state"].keys() == expected["state"].keys()
+        for key, tensor in expected["state"].items():
+            assert torch.equal(loaded["state"][key], tensor), f"rank {rank}: {key}"
+        assert loaded["tied"] == expected["tied"], f"rank {rank}"
+        losses, params = loaded["steps"]
+        assert losses == pytest.approx(expected_losses, abs=1e-5), f"rank {rank}"
+        for key, tensor in expected_params.items():
+            torch.testing.assert_close(params[key], tensor, atol=1e-5, rtol=0, msg=f"rank {rank}: {key}")
+
+
+@pytest.mark.parametrize("value_model", [False, True])
+def test_build_meta_model_is_load_model_without_storage(tiny_model_path, value_model):
+    from trellis.engine.models import build_meta_model, load_model
+
+    config = ModelConfig(path=tiny_model_path, attn_implementation="eager")
+    loaded = load_model(config, value_model=value_model)
+    meta = build_meta_model(config, value_model=value_model)
+    assert type(meta) is type(loaded)
+    assert meta.config._attn_implementation == loaded.config._attn_implementation == "eager"
+    assert not meta.training and not loaded.training
+    for (name, tensor), (meta_name, meta_tensor) in zip(
+        [*loaded.named_parameters(), *loaded.named_buffers()],
+        [*meta.named_parameters(), *meta.named_buffers()],
+        strict=True,
+    ):
+        assert (meta_name, meta_tensor.shape, meta_tensor.dtype) == (name, tensor.shape, torch.float32)
+        assert meta_tensor.is_meta, name
+    if not value_model:
+        assert meta.lm_head.weight is meta.get_input_embeddings().weight
+
+
+def test_build_meta_model_refuses_a_critic_without_a_value_head_class(tmp_path):
+    from transformers import CodeGenConfig
+
+    from trellis.engine.models import build_meta_model
+
+    CodeGenConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"value head\) class for model type 'codegen', and transformers"):
+        build_meta_model(ModelConfig(path=str(tmp_path)), value_model=True)
+    assert type(build_meta_model(ModelConfig(path=str(tmp_path)))).__name__ == "CodeGenForCausalLM"
 
 
 def test_fsdp_needs_torch_distributed(tiny_model_path):

@@ -20,9 +20,10 @@ PUBLIC = {
     "timer": "trellis.utils.timing",
     "marked_timer": "trellis.utils.timing",
     "profile": "trellis.utils.profiling",
-    "device_memory_usage": "trellis.utils.memory",
-    "log_device_memory_usage": "trellis.utils.memory",
-    "aggressive_empty_cache": "trellis.utils.memory",
+    "rss_bytes": "trellis.utils.memory",
+    "peak_rss_bytes": "trellis.utils.memory",
+    "reset_peak_rss": "trellis.utils.memory",
+    "physical_memory_bytes": "trellis.utils.memory",
 }
 
 
@@ -33,6 +34,10 @@ def test_public_names_resolve_to_their_modules(name, module):
 
 def test_all_and_unknown_names():
     assert set(PUBLIC) <= set(trellis.utils.__all__) <= set(dir(trellis.utils))
+    # device memory needs the device backend, a layer above utils: trellis.device.memory has it
+    assert not {"device_memory_usage", "log_device_memory_usage", "aggressive_empty_cache"} & set(
+        trellis.utils.__all__
+    )
     with pytest.raises(AttributeError, match=r"module 'trellis\.utils' has no attribute 'nope'"):
         trellis.utils.nope  # noqa: B018
 

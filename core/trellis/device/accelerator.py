@@ -176,6 +176,12 @@ class TorchAcceleratorBackend(DeviceBackend):
     def total_memory(self, device: int | None = None) -> int:
         return int(self._module().get_device_properties(self._index(device)).total_memory)
 
+    def max_memory_allocated(self, device: int | None = None) -> int:
+        return int(self._module().max_memory_allocated(self._index(device)))
+
+    def reset_peak_memory_stats(self, device: int | None = None) -> None:
+        self._module().reset_peak_memory_stats(self._index(device))
+
     def empty_cache(self) -> None:
         self._module().empty_cache()
 

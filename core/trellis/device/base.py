@@ -174,6 +174,15 @@ class DeviceBackend:
         """The device's total memory in bytes."""
         raise NotImplementedError
 
+    def max_memory_allocated(self, device: int | None = None) -> int:
+        """The most bytes live tensors have held on ``device`` since the process started or since
+        :meth:`reset_peak_memory_stats`."""
+        raise NotImplementedError
+
+    def reset_peak_memory_stats(self, device: int | None = None) -> None:
+        """Start :meth:`max_memory_allocated` over from what is allocated now."""
+        raise NotImplementedError
+
     def empty_cache(self) -> None:
         """Give the allocator's cached, unused memory back to the device."""
         raise NotImplementedError

@@ -8,7 +8,8 @@ time: ``record()`` takes a ``time.perf_counter_ns()`` timestamp, so ``elapsed_ti
 wall-clock time between two ``record()`` calls.
 
 Memory figures are the nearest honest ones a CPU has (see :mod:`trellis.utils.memory`):
-allocated = the process's resident set size, reserved = its peak RSS, total = physical memory.
+allocated = the process's resident set size, reserved and max allocated = its peak RSS, total =
+physical memory.
 
 Nothing here imports torch, except :attr:`CPUBackend.torch_module` when it is used.
 """
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 from trellis.device.base import DeviceBackend, DeviceError, DeviceEvent, DeviceStream
-from trellis.utils.memory import peak_rss_bytes, physical_memory_bytes, rss_bytes
+from trellis.utils.memory import peak_rss_bytes, physical_memory_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["CPUBackend", "CPUEvent", "CPUStream", "CPUTorchModule"]
 
@@ -110,8 +111,8 @@ class CPUBackend(DeviceBackend):
 
     Always available. ``set_device(i)`` accepts any local rank and leaves the current device at
     0, so worker code that calls ``set_device(local_rank)`` runs unchanged on CPU with several
-    processes. Memory figures are RSS (allocated), peak RSS (reserved) and physical memory
-    (total), in bytes.
+    processes. Memory figures are RSS (allocated), peak RSS (reserved, max allocated) and
+    physical memory (total), in bytes.
     """
 
     name = "cpu"
@@ -164,6 +165,16 @@ class CPUBackend(DeviceBackend):
         if device is not None:
             _check_cpu_index(device)
         return physical_memory_bytes()
+
+    def max_memory_allocated(self, device: int | None = None) -> int:
+        """The process's peak RSS in bytes (never below the current RSS)."""
+        return self.memory_reserved(device)
+
+    def reset_peak_memory_stats(self, device: int | None = None) -> None:
+        """Reset the process's peak RSS to its current RSS (Linux; elsewhere the peak is kept)."""
+        if device is not None:
+            _check_cpu_index(device)
+        reset_peak_rss()
 
     def empty_cache(self) -> None:
         """No-op: there is no device allocator cache on the CPU to return."""
@@ -252,10 +263,13 @@ class CPUTorchModule:
         return self._backend.memory_reserved()
 
     def max_memory_allocated(self, device: Any = None) -> int:
-        return max(peak_rss_bytes(), rss_bytes())
+        return self._backend.max_memory_allocated()
 
     def max_memory_reserved(self, device: Any = None) -> int:
-        return max(peak_rss_bytes(), rss_bytes())
+        return self._backend.max_memory_allocated()
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self._backend.reset_peak_memory_stats()
 
     def manual_seed(self, seed: int) -> None:
         import torch

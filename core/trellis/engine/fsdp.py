@@ -12,10 +12,18 @@ for compute and reduces gradients in float32.
 
 The caller initialises ``torch.distributed`` first (every rank: ``init_process_group`` with
 ``gloo`` on CPU, ``nccl`` on CUDA — :func:`trellis.device.get_communication_backend` — and, on
-an accelerator, sets the rank's device). Every rank loads the checkpoint and keeps its shards.
-Everything an engine does on a batch involves collectives: all ranks must call the same methods
-in the same order (``forward``, ``forward_backward``, ``optimizer_step``, ``iter_full_params``
-to its end), with batches of at least one row each.
+an accelerator, sets the rank's device). Building an engine and everything it does on a batch
+involve collectives: all ranks must construct it and call the same methods in the same order
+(``forward``, ``forward_backward``, ``optimizer_step``, ``iter_full_params`` to its end), with
+batches of at least one row each.
+
+Loading: only rank 0 of the process group reads the checkpoint (the float32 model in its host
+memory); the other ranks build the same model on the meta device, without storage
+(:func:`~trellis.engine.models.build_meta_model`). After sharding, their shards are allocated and
+every parameter is scattered from rank 0 (each rank receives only its shard), and every buffer
+(non-persistent ones such as rotary ``inv_freq`` included) is broadcast from it, so all ranks hold
+exactly rank 0's weights: the critic's seeded value head included, tied weights still tied. The
+whole model is in memory on rank 0's host alone, and only until the engine is built.
 
 Offload: ``offload.param`` uses FSDP's own CPU offload (``CPUOffloadPolicy``): each rank's shards
 of the parameters, of their gradients and of the optimizer state live in host memory (pinned on
@@ -34,18 +42,18 @@ checkpoint (any size, or Hugging Face format) use ``iter_full_params``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trellis.config.base import ConfigValueError
-from trellis.engine.base import EngineError, TrainingEngine
-from trellis.engine.models import decoder_layers
+from trellis.engine.base import HOST, EngineError, TrainingEngine
+from trellis.engine.models import build_meta_model, decoder_layers, load_model
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -88,7 +96,32 @@ class FSDPEngine(TrainingEngine):
                 "to offload the optimizer state alone.",
             )
 
+    def _load_module(self, model_config: Any, *, value_model: bool, path: str | None, seed: int) -> Any:
+        module, failure = None, None
+        try:
+            if self.dp_rank == 0:
+                module = load_model(model_config, value_model=value_model, path=path, seed=seed)
+            else:
+                module = build_meta_model(model_config, value_model=value_model, path=path)
+        except Exception as exc:
+            failure = exc
+        # Every rank learns of a failure here; else the others would wait out the collective
+        # timeout for weights that never come from rank 0.
+        if self._all_reduce(torch.tensor(float(failure is not None)), "max").item():
+            if failure is not None:
+                raise failure
+            raise EngineError(
+                f"fsdp rank {self.dp_rank}: another rank of the process group failed to build the "
+                f"{self.role} model; its error says why."
+            )
+        return module
+
     def _wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        # Rank 0's whole weights, sent after sharding: detached views keep the host copies alive
+        # (fully_shard moves the parameters themselves onto the device, block by block).
+        source: dict[str, torch.Tensor] = {}
+        if self.dp_rank == 0:
+            source = {name: param.detach() for name, param in module.named_parameters()}
         if self.dtype == torch.float32:
             policy = MixedPrecisionPolicy()
         else:
@@ -102,7 +135,36 @@ class FSDPEngine(TrainingEngine):
         for layer in decoder_layers(module):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
         fully_shard(module, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
+        if self.dp_rank != 0:  # storage for the meta shards: in host memory under FSDP's CPU offload
+            module.to_empty(device=HOST if self.offload_param else self.device)
+            for buffer in module.buffers():  # buffers (unsharded) stay on the device, as FSDP puts them
+                if buffer.device != self.device:
+                    buffer.data = torch.empty_like(buffer, device=self.device)
+        self._copy_from_rank0(module, source)
         return module
+
+    @torch.no_grad()
+    def _copy_from_rank0(self, module: torch.nn.Module, source: Mapping[str, torch.Tensor]) -> None:
+        """Give every rank rank 0's values: each parameter's shard scattered from ``source`` (rank 0's
+        whole tensors; empty on the other ranks), each buffer broadcast. One tensor at a time, so
+        the only whole copy beyond rank 0's host is one tensor on the device."""
+        for name, param in module.named_parameters():
+            full = source.get(name)
+            if full is None:  # a receiving rank: distribute_tensor reads only the shape here
+                full = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+            if isinstance(param, DTensor):  # mesh rank 0 (this group's rank 0) is the source
+                shard = distribute_tensor(full, param.device_mesh, param.placements).to_local()
+                param.to_local().copy_(shard)
+            else:
+                param.copy_(self._broadcast(full))
+        for buffer in module.buffers():
+            buffer.copy_(self._broadcast(buffer))
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as this group's rank 0 holds it (a copy on the device)."""
+        tensor = tensor.detach().to(self.device, copy=True)
+        dist.broadcast(tensor, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        return tensor
 
     def to(
         self, device: str | torch.device, *, model: bool = True, optimizer: bool = True, grad: bool = True
@@ -151,6 +213,12 @@ class FSDPEngine(TrainingEngine):
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         return {key: _local(value) for key, value in self.model.state_dict().items()}
+
+    def _iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.model.state_dict().items():  # DTensors (not _model_state's shards)
+            with torch.no_grad():  # not around the yield: the caller's grad mode stays its own
+                full = self._full(tensor).detach()
+            yield name, full
 
     def _optimizer_state(self) -> dict[str, Any]:
         assert self.optimizer is not None  # state_dict() asks only an engine that trains

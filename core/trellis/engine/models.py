@@ -8,12 +8,17 @@ same head. Parameter names stay Hugging Face's (``model.layers.0...``, ``score.w
 saved critic reloads with the same class. Its dropout is set to 0: values must not depend on
 whether the model is in train or eval mode.
 
+An engine that reads the weights on one rank only (``fsdp``: rank 0) builds the same model on the
+others with :func:`build_meta_model`, without storage, and fills it from that rank.
+
 Weights are always loaded in float32 (the optimizer's master copy); ``model.dtype`` is the
 compute dtype, applied by the engine (autocast, or FSDP's mixed precision).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,6 +65,32 @@ def load_model(
     Raises:
         ValueError: no path; an architecture without a token-classification class (for a critic).
     """
+    auto_class, path, kwargs = _model_spec(model_config, value_model=value_model, path=path)
+    with torch.random.fork_rng(devices=[]), _no_value_head_class(value_model, kwargs["config"]):
+        torch.manual_seed(seed)
+        return auto_class.from_pretrained(path, **kwargs)
+
+
+def build_meta_model(model_config: Any, *, value_model: bool = False, path: str | None = None) -> Any:
+    """The model :func:`load_model` loads, with every parameter and buffer on the meta device.
+
+    Same class, config, attention implementation and value head; tied weights are tied. Only the
+    config is read from ``path``: the tensors have shapes and dtypes (float32) but no storage, for
+    an engine that materialises them later (``to_empty``) and fills them from a rank that loaded
+    the weights. The module is in eval mode, as :func:`load_model` returns it.
+
+    Raises:
+        ValueError: as :func:`load_model`.
+    """
+    auto_class, _, kwargs = _model_spec(model_config, value_model=value_model, path=path)
+    config = kwargs.pop("config")
+    with torch.device("meta"), _no_value_head_class(value_model, config):
+        model = auto_class.from_config(config, **kwargs)
+    return model.eval()
+
+
+def _model_spec(model_config: Any, *, value_model: bool, path: str | None) -> tuple[Any, str, dict[str, Any]]:
+    """``(auto class, path, from_pretrained kwargs)`` of the model ``load_model`` loads (reads its config)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     path = path or model_setting(model_config, "path")
@@ -91,18 +122,22 @@ def load_model(
         "attn_implementation": attn_implementation,
         "trust_remote_code": trust,
     }
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        try:
-            return auto_class.from_pretrained(path, **kwargs)
-        except ValueError as exc:
-            if value_model and "Unrecognized configuration class" in str(exc):
-                raise ValueError(
-                    f"The critic needs a token-classification (value head) class for model type "
-                    f"{config.model_type!r}, and transformers has none; use a critic.model_path of an "
-                    "architecture that has one (Llama, Qwen2, Mistral, ...)."
-                ) from exc
-            raise
+    return auto_class, path, kwargs
+
+
+@contextlib.contextmanager
+def _no_value_head_class(value_model: bool, config: Any) -> Iterator[None]:
+    """Turn transformers' error for an architecture without a token-classification class into ours."""
+    try:
+        yield
+    except ValueError as exc:
+        if value_model and "Unrecognized configuration class" in str(exc):
+            raise ValueError(
+                f"The critic needs a token-classification (value head) class for model type "
+                f"{config.model_type!r}, and transformers has none; use a critic.model_path of an "
+                "architecture that has one (Llama, Qwen2, Mistral, ...)."
+            ) from exc
+        raise
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -35,6 +35,8 @@ INTERFACE_METHODS = (
     "memory_allocated",
     "memory_reserved",
     "total_memory",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
     "empty_cache",
     "synchronize",
     "Event",
@@ -336,6 +338,7 @@ class DeviceBackendContract(RegistryEntryContract):
             "total_memory": backend.total_memory(),
             "memory_allocated(index)": backend.memory_allocated(index),
             "total_memory(index)": backend.total_memory(index),
+            "max_memory_allocated": backend.max_memory_allocated(),
         }
         for what, value in figures.items():
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 0, (
@@ -343,6 +346,8 @@ class DeviceBackendContract(RegistryEntryContract):
             )
         assert figures["total_memory"] > 0, "total_memory() must be the device's memory in bytes"
         assert figures["memory_reserved"] >= figures["memory_allocated"], figures
+        assert backend.reset_peak_memory_stats() is None
+        assert backend.max_memory_allocated() >= 0
 
     def test_empty_cache_and_synchronize(self) -> None:
         backend = self._available_backend()
@@ -379,6 +384,8 @@ class FakeAccelerator:
         "empty_cache",
         "memory_allocated",
         "memory_reserved",
+        "max_memory_allocated",
+        "reset_peak_memory_stats",
         "get_device_properties",
         "Event",
         "Stream",
@@ -448,6 +455,14 @@ class FakeAccelerator:
     def memory_reserved(self, device: Any = None) -> int:
         self._check(device)
         return self.reserved
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        self._check(device)
+        return self.allocated
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self._count_call("reset_peak_memory_stats")
+        self._check(device)
 
     def get_device_properties(self, device: Any = None) -> Any:
         self._check(device)

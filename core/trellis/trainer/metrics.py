@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from trellis.data.protocol import DataProto
+from trellis.device.memory import device_memory_usage
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -65,10 +66,8 @@ def compute_timing_metrics(timings: dict[str, float]) -> dict[str, float]:
 
 
 def peak_memory_metrics() -> dict[str, float]:
-    from trellis.utils.memory import device_memory_usage
-
-    usage = device_memory_usage()
-    return {"perf/max_memory_allocated_gib": float(usage.get("reserved_gib", 0.0))}
+    """This process's peak device memory (the selected backend's ``max_memory_allocated``), in GiB."""
+    return {"perf/max_memory_allocated_gib": float(device_memory_usage()["max_allocated_gib"])}
 
 
 def mean_metrics(per_worker: list[dict[str, Any]]) -> dict[str, float]:

@@ -13,13 +13,14 @@ module                          public names
 ``trellis.utils.logging``       ``print_rank_0``, ``log_with_rank``, ``get_rank``
 ``trellis.utils.timing``        ``timer``, ``marked_timer``
 ``trellis.utils.profiling``     ``profile``
-``trellis.utils.memory``        ``device_memory_usage``, ``log_device_memory_usage``,
-                                ``aggressive_empty_cache``, ``rss_bytes``, ``peak_rss_bytes``,
+``trellis.utils.memory``        ``rss_bytes``, ``peak_rss_bytes``, ``reset_peak_rss``,
                                 ``physical_memory_bytes``
 ``trellis.utils.settings``      ``config_value``, ``setting``
 ``trellis.utils.coroutines``    ``run_coroutine``
 ``trellis.utils.lazy``          ``lazy_attributes``
 ==============================  ================================================================
+
+A device's memory (on the selected backend) is one layer up, in :mod:`trellis.device.memory`.
 """
 
 from __future__ import annotations
@@ -41,11 +42,9 @@ _LAZY: dict[str, str] = {
     "timer": "trellis.utils.timing:timer",
     "marked_timer": "trellis.utils.timing:marked_timer",
     "profile": "trellis.utils.profiling:profile",
-    "device_memory_usage": "trellis.utils.memory:device_memory_usage",
-    "log_device_memory_usage": "trellis.utils.memory:log_device_memory_usage",
-    "aggressive_empty_cache": "trellis.utils.memory:aggressive_empty_cache",
     "rss_bytes": "trellis.utils.memory:rss_bytes",
     "peak_rss_bytes": "trellis.utils.memory:peak_rss_bytes",
+    "reset_peak_rss": "trellis.utils.memory:reset_peak_rss",
     "physical_memory_bytes": "trellis.utils.memory:physical_memory_bytes",
     "config_value": "trellis.utils.settings:config_value",
     "setting": "trellis.utils.settings:setting",
