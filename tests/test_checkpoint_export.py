@@ -99,6 +99,45 @@ def test_export_critic(single_checkpoint, tmp_path):
     assert torch.equal(outputs(model, ids), outputs(critic.model, ids))
 
 
+def test_export_of_a_lora_checkpoint_is_the_merged_model(tiny_model_path, tmp_path, capsys):
+    """Adapters only in the checkpoint; the export is the whole merged model (actor and critic), under the
+    base model's names, giving the engines' logits; the base weights come from the recorded model.path."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from trellis.config.schema import LoraConfig
+    from trellis.engine.single import SingleEngine
+
+    base = shutil.copytree(tiny_model_path, tmp_path / "base")  # the run's model.path
+    engines = {}
+    for role, section in (("actor", ActorConfig), ("critic", CriticConfig)):
+        engines[role] = SingleEngine(
+            ModelConfig(path=str(base), dtype="float32", lora=LoraConfig(rank=4, alpha=8.0)),
+            section(ppo_micro_batch_size_per_device=2, optim=OptimConfig(lr=1e-2)),
+            role=role,
+            device="cpu",
+        )
+        train_step(engines[role], batch())
+    states = {role: engine.state_dict() for role, engine in engines.items()}
+    ckpt = CheckpointManager(tmp_path / "ckpt").save(1, states, hf_files=base)
+    ids = batch().batch["input_ids"]
+    for role, auto_class in (("actor", AutoModelForCausalLM), ("critic", AutoModelForTokenClassification)):
+        export_to_hf(ckpt, tmp_path / role, role=role)
+        model = auto_class.from_pretrained(tmp_path / role, dtype=torch.float32)
+        merged = dict(engines[role].iter_full_params())
+        assert model.state_dict().keys() == merged.keys()
+        assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in merged.items())
+        torch.testing.assert_close(outputs(model, ids), outputs(engines[role].model, ids), atol=1e-5, rtol=0)
+
+    shutil.rmtree(base)  # the recorded base model is gone: pass it
+    assert main(["export", ckpt, "--to", str(tmp_path / "again")]) == 2
+    assert "does not load" in capsys.readouterr().err
+    assert main(["export", ckpt, "--to", str(tmp_path / "given"), "--base-model", tiny_model_path]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "given", dtype=torch.float32)
+    torch.testing.assert_close(outputs(model, ids), outputs(engines["actor"].model, ids), atol=1e-5, rtol=0)
+
+
 def test_export_to_an_fsspec_url(single_checkpoint, tmp_path):
     import fsspec
     from transformers import AutoModelForCausalLM

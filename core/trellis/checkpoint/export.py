@@ -17,6 +17,13 @@ which tells the two cases apart and checks the result.
 The config and tokenizer come from the checkpoint's ``hf/`` folder (saved with
 ``hf_files=`` of ``CheckpointManager.publish`` or ``save``) or, for checkpoints saved without it, from
 ``base_model``.
+
+LoRA (``model.lora``): an engine with adapters saves only them (peft's names, ``...q_proj.lora_A.
+default.weight``; the critic's head as ``score.modules_to_save.default.*``) and records its
+settings in its state (``"lora"``: ``rank``, ``alpha``, ``base_model``, ...). Export loads the
+base weights from ``base_model`` (if given) or the recorded one (the run's ``model.path``), puts
+the adapters on them with peft, merges them (``W + (alpha / rank) · B A``) and writes the whole
+model under the base model's own names: a plain Hugging Face folder, no adapters left.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ from trellis.errors import CheckpointError
 __all__ = ["export_to_hf", "merge_model_shards"]
 
 ROLES = ("actor", "critic", "ref")
+
+_LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+"""Name parts of peft's low-rank matrices (as :data:`trellis.engine.lora.LORA_PARTS`)."""
 
 
 def export_to_hf(
@@ -89,12 +99,19 @@ def export_to_hf(
         )
     shards: list[dict[str, torch.Tensor]] = []
     kinds = set()
+    lora: dict[str, Any] | None = None
     for rank in range(manifest["world_size"] if parts is None else parts[role]):
         states = load_rank_file(ckpt_dir, rank, part=role, manifest=manifest)
         engine_state = _role_state(states, role, ckpt_dir, rank)
         kinds.add(engine_state.get("engine"))
+        lora = engine_state.get("lora") or lora
         shards.append(dict(engine_state["model"]))
         del states  # keep one rank's optimizer state in memory at a time
+    if lora is None and any(_is_adapter_entry(name) for name in shards[0]):
+        raise CheckpointError(
+            f"Checkpoint {ckpt_dir!r} ({role}) holds LoRA adapters but not their settings (the engine state "
+            "has no 'lora' entry: rank, alpha, base model); export it with a Trellis that records them."
+        )
 
     def write(folder: str) -> None:
         for name, data in metadata.items():
@@ -103,7 +120,10 @@ def export_to_hf(
         model = _meta_model(folder, role, ckpt_dir)
         full_shapes = {key: value.shape for key, value in model.state_dict().items()}
         try:
-            merged = merge_model_shards(shards, full_shapes)
+            if lora is None:
+                merged = merge_model_shards(shards, full_shapes)
+            else:
+                merged = _merge_lora(shards, lora, role, base_model, ckpt_dir)
         except CheckpointError as exc:
             raise CheckpointError(
                 f"Cannot export {ckpt_dir!r} ({role}, engine {sorted(map(str, kinds))}): {exc}"
@@ -170,6 +190,88 @@ def merge_model_shards(
             )
         merged[key] = whole
     return merged
+
+
+def _merge_lora(
+    shards: Sequence[Mapping[str, Any]],
+    settings: Mapping[str, Any],
+    role: str,
+    base_model: Any,
+    ckpt_dir: str,
+) -> dict[str, Any]:
+    """The whole model state of a LoRA checkpoint: its adapters (merged over the ranks) put on the base
+    weights with peft, merged in, under the base model's own names.
+
+    The adapted layers are exactly those the checkpoint holds adapters for; the critic's head
+    (``modules_to_save``) replaces the base model's.
+
+    Raises:
+        CheckpointError: no base model to load (none recorded, none given), or adapters that do not fit it.
+    """
+    import re
+    import warnings
+
+    import torch
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    path = os.fspath(base_model) if base_model is not None else settings.get("base_model")
+    if not path:
+        raise CheckpointError(
+            f"Checkpoint {ckpt_dir!r} holds LoRA adapters, and no base model is recorded for them; pass the "
+            "Hugging Face folder of the run's model.path as base_model (--base-model PATH)."
+        )
+    layers = sorted({layer for name in shards[0] if (layer := _adapted_module(name)) is not None})
+    saved = sorted({module for name in shards[0] if (module := _saved_module(name)) is not None})
+    value_model = role == "critic"
+    auto_class: Any = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    try:
+        base_config = AutoConfig.from_pretrained(path)
+        if value_model:  # the engine's value model (trellis.engine.models.load_model); its head is saved
+            base_config.num_labels, base_config.classifier_dropout = 1, 0.0
+        base = auto_class.from_pretrained(path, config=base_config, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"The base model {path!r} of LoRA checkpoint {ckpt_dir!r} does not load ({exc}); pass the "
+            "Hugging Face folder of the run's model.path as base_model (--base-model PATH)."
+        ) from exc
+    config = LoraConfig(
+        r=int(settings["rank"]),
+        lora_alpha=settings["alpha"],  # a float: peft scales by lora_alpha / r
+        # exactly the layers the checkpoint has adapters for (a pattern matches whole module names)
+        target_modules="|".join(f"(?:{re.escape(layer)})" for layer in layers) if layers else None,
+        modules_to_save=saved or None,
+        task_type=TaskType.TOKEN_CLS if value_model else TaskType.CAUSAL_LM,
+        fan_in_fan_out=bool(settings.get("fan_in_fan_out", False)),
+        bias="none",
+    )
+    with warnings.catch_warnings():  # peft reads a property transformers has renamed
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        model = get_peft_model(base, config)
+    adapter_shapes = {key: value.shape for key, value in model.state_dict().items() if _is_adapter_entry(key)}
+    adapters = merge_model_shards(shards, adapter_shapes)
+    model.load_state_dict(adapters, strict=False)
+    return dict(model.merge_and_unload().state_dict())
+
+
+def _is_adapter_entry(name: str) -> bool:
+    """A trained entry of a LoRA model's state (as :func:`trellis.engine.lora.is_adapter_entry`)."""
+    parts = name.split(".")
+    return "modules_to_save" in parts or any(part in _LORA_PARTS for part in parts)
+
+
+def _adapted_module(name: str) -> str | None:
+    """The adapted layer of an adapter entry: ``model.layers.0.mlp.up_proj`` of
+    ``base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight``; None for other entries."""
+    parts = name.removeprefix("base_model.model.").split(".")
+    at = next((i for i, part in enumerate(parts) if part in _LORA_PARTS), None)
+    return None if at is None else ".".join(parts[:at])
+
+
+def _saved_module(name: str) -> str | None:
+    """``score`` of ``base_model.model.score.modules_to_save.default.weight`` (a module trained whole)."""
+    parts = name.removeprefix("base_model.model.").split(".")
+    return ".".join(parts[: parts.index("modules_to_save")]) if "modules_to_save" in parts else None
 
 
 def _metadata_files(ckpt_dir: str, manifest: dict[str, Any], base_model: Any) -> dict[str, bytes]:

@@ -314,6 +314,17 @@ def test_grpo_three_steps_with_rollout_name_vllm(tmp_path):
     assert _engine_processes() - before == set()  # the trainer shut its engine's processes down
 
 
+def test_grpo_with_lora_adapters_syncs_the_merged_weights(tmp_path):
+    """``model.lora``: the actor trains adapters, and the weight sync sends vLLM the merged weights under
+    the base model's names after every step (the kit checks vLLM's log-probs equal the trainer's)."""
+    pytest.importorskip("peft")
+    from trellis.testing.rollout import check_grpo_run
+
+    overrides = ["model.lora.rank=8", "actor.optim.lr=5e-2"]
+    result = check_grpo_run("vllm", str(tmp_path / "run"), steps=2, overrides=overrides)
+    assert all(metrics["timing/weight_sync"] > 0 for metrics in result.history)
+
+
 def _engine_processes_anywhere() -> set[int]:
     import psutil
 
