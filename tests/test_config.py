@@ -685,7 +685,7 @@ def test_get_and_dict_like_access():
     assert len(config) == 9
     assert config.values()[2] is actor and dict(config.items())["actor"] is actor
     assert dict(actor.optim) == {name: getattr(actor.optim, name) for name in actor.optim}
-    assert {**actor.offload} == {"param": False, "optimizer": False}
+    assert {**actor.offload} == {"param": False, "optimizer": False, "resident_layers": 2}
     with pytest.raises(KeyError, match=r"OptimConfig has no key 'learning_rate'. Keys: name, lr, betas"):
         actor.optim["learning_rate"]
 

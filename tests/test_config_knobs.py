@@ -85,6 +85,16 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "model.gradient_checkpointing": (ENGINE,),
     "model.use_remove_padding": (ENGINE, DEFAULTS),
     "model.override_config": (ENGINE,),
+    "model.lora.rank": (
+        "tests/test_lora.py::test_only_the_adapters_train_and_their_optimizer_state_is_small",
+        "tests/test_lora.py::test_the_tiny_preset_learns_with_lora",
+    ),
+    "model.lora.alpha": ("tests/test_lora.py::test_merged_weights_give_the_engines_log_probs",),
+    "model.lora.dropout": ("tests/test_lora.py::test_dropout_reaches_the_adapters",),
+    "model.lora.target_modules": ("tests/test_lora.py::test_settings_defaults_and_target_modules",),
+    "model.fused_kernels": (
+        "tests/test_fused_rms_norm.py::test_engine_with_fused_rms_norm_gives_the_same_log_probs_and_gradients",
+    ),
     # ---------------------------------------------------------------- actor
     "actor.engine": (BAD_NAME, TRAINER + "test_ray_executor_with_two_fsdp_workers_and_custom_components"),
     "actor.ppo_mini_batch_size": (
@@ -137,6 +147,10 @@ KNOBS: dict[str, tuple[str, ...]] = {
         "tests/test_engine_offload.py::test_fsdp_offload_param_installs_fsdps_cpu_offload",
         "tests/test_engine_offload.py::test_cuda_each_phase_brings_in_and_puts_back_the_offloaded_bytes",
     ),
+    "actor.offload.resident_layers": (
+        "tests/test_engine_offload_layers.py::test_prefetch_runs_ahead_with_two_resident_layers",
+        "tests/test_engine_offload_layers.py::test_residency_and_peak_stay_within_the_budget",
+    ),
     "actor.offload.optimizer": (
         "tests/test_engine_offload.py::test_the_offload_knobs_reach_every_role",
         "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
@@ -178,6 +192,10 @@ KNOBS: dict[str, tuple[str, ...]] = {
         "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
         "tests/test_engine_offload.py::test_fsdp_offload_param_without_optimizer_is_refused_with_the_fix",
     ),
+    "critic.offload.resident_layers": (
+        "tests/test_engine_offload_layers.py::test_prefetch_runs_ahead_with_two_resident_layers",
+        "tests/test_engine_offload_layers.py::test_residency_and_peak_stay_within_the_budget",
+    ),
     "critic.offload.optimizer": (
         "tests/test_engine_offload.py::test_the_offload_knobs_reach_every_role",
         "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
@@ -190,6 +208,10 @@ KNOBS: dict[str, tuple[str, ...]] = {
         "tests/test_engine_offload.py::test_the_offload_knobs_reach_every_role",
         "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
         "tests/test_engine_offload.py::test_fsdp_offload_param_installs_fsdps_cpu_offload",
+    ),
+    "ref.offload.resident_layers": (
+        "tests/test_engine_offload_layers.py::test_prefetch_runs_ahead_with_two_resident_layers",
+        "tests/test_engine_offload_layers.py::test_residency_and_peak_stay_within_the_budget",
     ),
     "ref.offload.optimizer": (
         "tests/test_engine_offload.py::test_ref_offload_optimizer_is_refused_with_the_fix",

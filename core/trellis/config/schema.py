@@ -90,6 +90,40 @@ class DataConfig(BaseConfig):
 
 
 @dataclass
+class LoraConfig(BaseConfig):
+    """Low-rank adapters (LoRA, through ``peft``): train small matrices beside frozen weights.
+
+    With ``rank`` > 0 the actor and critic train only the adapters (and the critic's value head);
+    the optimizer holds only their state, training checkpoints store only them, and weight sync
+    and ``trellis export`` send / write the merged weights under the model's own names. The
+    reference model stays the base model without adapters.
+    """
+
+    rank: int = knob(
+        0, "Adapter rank r; 0 = off (full fine-tuning). 8-64 are usual for RL on 1B-70B models.", ge=0
+    )
+    alpha: float = knob(
+        16.0, "Adapter scale numerator: the update is (alpha / rank) * B @ A; peft's default.", gt=0
+    )
+    dropout: float = knob(
+        0.0, "Dropout on the adapters' input; 0 keeps the rollout and training passes equal.", ge=0, lt=1
+    )
+    target_modules: list[str] = knob(
+        ["all-linear"],
+        "Module names that get adapters (e.g. [q_proj, v_proj]); [all-linear] = every linear layer but "
+        "the output head, as peft and verl default.",
+    )
+
+    def finalize(self) -> None:
+        if not self.target_modules or not all(isinstance(name, str) and name for name in self.target_modules):
+            raise ConfigValueError(
+                "target_modules",
+                self.target_modules,
+                "must be a non-empty list of module names, or [all-linear]",
+            )
+
+
+@dataclass
 class ModelConfig(BaseConfig):
     """The policy model: its weights, tokenizer and how its forward pass runs."""
 
@@ -127,6 +161,12 @@ class ModelConfig(BaseConfig):
     override_config: dict[str, Any] = knob(
         {}, "Entries that override the model's Hugging Face config, e.g. {attention_dropout: 0.0}."
     )
+    fused_kernels: list[str] = knob(
+        [],
+        "Fused kernels swapped into the model in every engine: rms_norm (the RMSNorm of Llama, Qwen2 and "
+        "Qwen3; a Triton kernel on CUDA, torch elsewhere). Empty: the model's own modules.",
+    )
+    lora: LoraConfig = section(LoraConfig, "Low-rank adapters; rank 0 (the default) trains every weight.")
 
 
 # ---------------------------------------------------------------- training roles
@@ -190,6 +230,12 @@ class OffloadConfig(BaseConfig):
     optimizer: bool = knob(
         False, "Keep optimizer state in host memory between updates. Must stay false for ref (no optimizer)."
     )
+    resident_layers: int = knob(
+        2,
+        "Engine offload only: how many decoder layers' low-precision working copies may be on the device "
+        "at once (the one computing, the next being copied in). More overlaps transfers better.",
+        ge=1,
+    )
 
 
 @dataclass
@@ -202,8 +248,9 @@ class ActorConfig(BaseConfig):
 
     engine: str = knob(
         "single",
-        "Training engine, a name in trellis.training_engines: single (one process) or fsdp (FSDP2 over "
-        "torch.distributed). single runs anywhere.",
+        "Training engine, a name in trellis.training_engines: single (one process), fsdp (FSDP2 over "
+        "torch.distributed) or offload (FP32 state on the host, layers streamed through the device). "
+        "single runs anywhere.",
     )
     ppo_mini_batch_size: int = knob(
         8,

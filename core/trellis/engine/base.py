@@ -68,7 +68,8 @@ from trellis.algorithms.logprobs import logprobs_and_entropy_from_logits, logpro
 from trellis.config.base import ConfigValueError, schema_default
 from trellis.config.schema import ActorConfig, CriticConfig, OffloadConfig, RefConfig
 from trellis.data.protocol import DataProto
-from trellis.engine import packing
+from trellis.engine import lora, packing
+from trellis.engine.fused import apply_fused_kernels
 from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, micro_batch_groups
 from trellis.engine.models import compute_dtype, load_model, model_setting
 from trellis.engine.optim import build_lr_scheduler, build_optimizer
@@ -155,10 +156,16 @@ class TrainingEngine:
                 "set use_remove_padding false."
             )
 
-        path = _role_setting(role, self.role_config, "model_path") if role == "critic" else None
-        module = load_model(model_config, value_model=role == "critic", path=path, seed=seed)
+        path = role_setting(role, self.role_config, "model_path") if role == "critic" else None
+        module = self._load_module(model_config, value_model=role == "critic", path=path, seed=seed)
         self.attn_implementation = module.config._attn_implementation
         self._logits_to_keep = "logits_to_keep" in inspect.signature(module.forward).parameters
+        self.fused_kernels = apply_fused_kernels(module, model_setting(model_config, "fused_kernels"))
+        """What ``model.fused_kernels`` swapped in: ``{kernel name: modules replaced}``."""
+        self.lora = lora.lora_settings(model_config, role)
+        """The role's adapter settings (``model.lora``), or None: every weight trains (and always for ref)."""
+        if self.lora is not None:
+            module = lora.apply_lora(module, self.lora, role=role)
         if role == "ref":
             module.requires_grad_(False)
         elif model_setting(model_config, "gradient_checkpointing"):
@@ -168,8 +175,10 @@ class TrainingEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if role != "ref":
-            optim_config = _role_setting(role, self.role_config, "optim")
-            self.optimizer = build_optimizer(self.model.parameters(), optim_config)
+            optim_config = role_setting(role, self.role_config, "optim")
+            self.optimizer = build_optimizer(
+                self._optimizer_params(), optim_config, **self._optimizer_kwargs()
+            )
             self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_config, total_steps)
         self.global_step = 0
         """``optimizer_step`` calls so far (skipped ones included)."""
@@ -187,10 +196,32 @@ class TrainingEngine:
         """Set up data parallelism; returns ``(dp_rank, dp_size)``."""
         return 0, 1
 
+    def _load_module(self, model_config: Any, *, value_model: bool, path: str | None, seed: int) -> Any:
+        """The float32 model on the host (:func:`~trellis.engine.models.load_model`); an engine that
+        loads differently (FSDP: weights on rank 0 only) overrides it."""
+        return load_model(model_config, value_model=value_model, path=path, seed=seed)
+
     def _wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
         """Place (and shard) the float32 CPU model on ``self.device`` (or keep it on the host, with
         ``offload_param``); returns the module to run."""
         raise NotImplementedError
+
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        """What the optimizer steps (those that require grad): the model's parameters; the ``offload``
+        engine's host FP32 masters."""
+        return [param for param in self.model.parameters() if param.requires_grad]
+
+    def _optimizer_kwargs(self) -> dict[str, Any]:
+        """Extra ``torch.optim.AdamW`` arguments of this engine (``offload``: ``fused`` on the host)."""
+        return {}
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's tensors that hold a gradient now (clipped, then stepped)."""
+        return [param for param in self._optimizer_params() if param.grad is not None]
+
+    def _after_optimizer_step(self) -> None:
+        """Called after every ``optimizer_step`` (also a skipped one); the ``offload`` engine refreshes
+        its working copies here."""
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """``tensor`` reduced over the data-parallel ranks (``op``: ``"sum"`` or ``"max"``)."""
@@ -385,7 +416,7 @@ class TrainingEngine:
         """
         optimizer, lr_scheduler = self._require_trainable("optimizer_step")
         self._require_on_device("optimizer_step", optimizer=True)
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = self._grad_tensors()
         lr = float(optimizer.param_groups[0]["lr"])
         grad_norm = self._full(
             torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
@@ -395,11 +426,12 @@ class TrainingEngine:
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, grad_norm)
             optimizer.step()
         else:
-            optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
         with warnings.catch_warnings():  # a skipped first step makes torch warn of the call order
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             lr_scheduler.step()
         self.global_step += 1
+        self._after_optimizer_step()
         return {"grad_norm": float(grad_norm), "lr": lr, "stepped": stepped}
 
     def zero_grad(self) -> None:
@@ -444,10 +476,10 @@ class TrainingEngine:
             self.zero_grad()
         moved = False
         if self._moves_optimizer:
-            moved |= not _same_device(self._optimizer_device, HOST)
+            moved |= not same_device(self._optimizer_device, HOST)
             self.to(HOST, model=False, optimizer=True)
         if self._moves_params:
-            moved |= not _same_device(self._model_device, HOST)
+            moved |= not same_device(self._model_device, HOST)
             self.to(HOST, model=True, optimizer=False)
         if moved and self.device.type != "cpu":  # the freed blocks go back for others (the rollout)
             torch.get_device_module(self.device.type).empty_cache()
@@ -480,7 +512,7 @@ class TrainingEngine:
         if not isinstance(tensor, torch.Tensor):
             return 0
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
-        return local.numel() * local.element_size() if _same_device(local.device, self.device) else 0
+        return local.numel() * local.element_size() if same_device(local.device, self.device) else 0
 
     def to(
         self, device: str | torch.device, *, model: bool = True, optimizer: bool = True, grad: bool = True
@@ -500,7 +532,7 @@ class TrainingEngine:
         """
         device = _resolve_device(device)
         moves_optimizer_alone = optimizer and self.optimizer is not None and not model
-        if moves_optimizer_alone and device.type != "cpu" and not _same_device(device, self._model_device):
+        if moves_optimizer_alone and device.type != "cpu" and not same_device(device, self._model_device):
             raise EngineError(
                 f"{type(self).__name__}.to({str(device)!r}, model=False, optimizer=True): the optimizer "
                 f"state must sit on the device of the parameters it updates, which are on "
@@ -538,9 +570,10 @@ class TrainingEngine:
             "role": self.role,
             "dp_size": self.dp_size,
             "global_step": self.global_step,
-            "model": self._model_state(),
+            "model": self._model_state() if self.lora is None else lora.adapter_state(self._model_state()),
             "optimizer": None if self.optimizer is None else self._optimizer_state(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "lora": self.lora,  # the adapters' settings and base model, for export (None: full weights)
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -560,7 +593,10 @@ class TrainingEngine:
                     f"load_state_dict: the state was saved by an engine with {key}={state[key]!r}, this one "
                     f"has {key}={mine!r}; load it into an engine built the same way."
                 )
-        self._load_model_state(state["model"])
+        if self.lora is None:
+            self._load_model_state(state["model"])
+        else:  # the adapters (and the value head): the frozen base weights are the model's own
+            self._load_model_state(lora.with_base_weights(state["model"], self._model_state()))
         if self.optimizer is not None:
             if state["optimizer"] is None:
                 raise ValueError(
@@ -592,11 +628,20 @@ class TrainingEngine:
         rollout's bfloat16); None keeps float32. No phase is needed: offloaded parameters are read
         where they wait (host tensors; under FSDP's CPU offload each is gathered on the device).
         """
-        for name, tensor in self.model.state_dict().items():
+        named = self._iter_full_state()
+        if self.lora is not None:  # adapters merged into their base weights, under the model's own names
+            named = lora.merged_weights(named, self.lora)
+        for name, full in named:
+            if dtype is not None:
+                with torch.no_grad():
+                    full = full.to(dtype)
+            yield name, full
+
+    def _iter_full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, whole tensor)`` of every :meth:`_model_state` entry (gathered under FSDP)."""
+        for name, tensor in self._model_state().items():
             with torch.no_grad():  # not around the yield: the caller's grad mode stays its own
                 full = self._full(tensor).detach()
-                if dtype is not None:
-                    full = full.to(dtype)
             yield name, full
 
     # ---------------------------------------------------------------- checks
@@ -658,12 +703,12 @@ class TrainingEngine:
     def _require_on_device(self, where: str, *, optimizer: bool = False) -> None:
         if self._offloaded_by_wrapper:  # the wrapper streams them from the host itself
             return
-        if not _same_device(self._model_device, self.device):
+        if not same_device(self._model_device, self.device):
             raise EngineError(
                 f"{where}: the parameters are offloaded to {self._model_device}; call "
                 f"engine.to({str(self.device)!r}) first, or run it inside `with engine.phase():`."
             )
-        if optimizer and not _same_device(self._optimizer_device, self.device):
+        if optimizer and not same_device(self._optimizer_device, self.device):
             raise EngineError(
                 f"{where}: the optimizer state is offloaded to {self._optimizer_device}; call "
                 f"engine.to({str(self.device)!r}, optimizer=True) first, or run it inside "
@@ -684,7 +729,7 @@ def _offload(role: str, config: Any) -> tuple[bool, bool]:
     Raises:
         ConfigValueError: ``ref.offload.optimizer`` true (the reference has no optimizer).
     """
-    section = _role_setting(role, config, "offload")
+    section = role_setting(role, config, "offload")
     param, optimizer = (
         bool(setting(section, key, schema_default(OffloadConfig, key))) for key in ("param", "optimizer")
     )
@@ -698,7 +743,7 @@ def _offload(role: str, config: Any) -> tuple[bool, bool]:
     return param, optimizer
 
 
-def _role_setting(role: str, config: Any, key: str) -> Any:
+def role_setting(role: str, config: Any, key: str) -> Any:
     """``key`` of a role's config (a section, a dict or None); missing or null: the schema's default for
     that role, or the actor's where the role's section lacks the key (the ref has no batching keys)."""
     try:
@@ -711,18 +756,18 @@ def _role_setting(role: str, config: Any, key: str) -> Any:
 def _batching(role: str, config: Any) -> tuple[int, int | None, float]:
     """(rows per micro-batch, token budget per micro-batch or None, grad clip) of a role's config."""
     key = "log_prob_micro_batch_size_per_device" if role == "ref" else "ppo_micro_batch_size_per_device"
-    micro_batch_size = _role_setting(role, config, key)
+    micro_batch_size = role_setting(role, config, key)
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"{role}.{key}={micro_batch_size!r} must be a positive number of rows.")
     max_tokens = None
-    if _role_setting(role, config, "use_dynamic_bsz"):
-        max_tokens = _role_setting(role, config, "max_token_len_per_micro_batch")
+    if role_setting(role, config, "use_dynamic_bsz"):
+        max_tokens = role_setting(role, config, "max_token_len_per_micro_batch")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(
                 f"{role}.max_token_len_per_micro_batch={max_tokens!r} must be a positive number of tokens "
                 "with use_dynamic_bsz."
             )
-    grad_clip = float(_role_setting(role, config, "grad_clip"))
+    grad_clip = float(role_setting(role, config, "grad_clip"))
     if not grad_clip > 0:
         raise ValueError(f"{role}.grad_clip={grad_clip!r} must be > 0.")
     return micro_batch_size, max_tokens, grad_clip
@@ -752,7 +797,8 @@ def _enable_checkpointing(module: torch.nn.Module) -> None:
         enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two torch devices are the same device (an unset index is index 0)."""
     return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 

@@ -29,10 +29,13 @@ OPTIMIZERS = ("adamw",)
 SCHEDULES = ("constant", "cosine")
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], optim_config: Any) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Iterable[torch.Tensor], optim_config: Any, **implementation: Any
+) -> torch.optim.Optimizer:
     """``torch.optim.AdamW`` over ``params`` with the config's lr, betas and weight decay.
 
     Weight decay applies to every parameter (as in verl); AdamW's eps is PyTorch's 1e-8.
+    ``implementation``: AdamW's ``foreach`` / ``fused`` choice (the engine's; the update is the same).
 
     Raises:
         ValueError: an optimizer name other than ``adamw``; no parameters to optimize.
@@ -49,6 +52,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim_config: Any) -> 
         lr=float(_optim(optim_config, "lr")),
         betas=(beta1, beta2),
         weight_decay=float(_optim(optim_config, "weight_decay")),
+        **implementation,
     )
 
 
