@@ -8,6 +8,7 @@ checks the allocator's peak against a budget smaller than the FP32 training stat
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,3 +286,54 @@ def test_lora_trains_offloaded_as_with_single(tiny_model_path):
     for name in theirs:
         torch.testing.assert_close(mine[name], theirs[name], atol=1e-6, rtol=0, msg=name)
     assert set(offload.state_dict()["model"]) == set(single.state_dict()["model"])
+
+
+def test_the_stream_path_gives_the_same_numbers(tiny_model_path):
+    """The accelerator path (copies on a side stream ordered by events, gradients staged and landed
+    later) taken on the CPU, where the streams run in order: still single's numbers, and gradients
+    do wait in flight and count as device bytes until they land."""
+
+    class StreamsOnCPU(OffloadEngine):
+        streams_on_cpu = True
+
+    single = build(SingleEngine, tiny_model_path)
+    offload = build(StreamsOnCPU, tiny_model_path, resident=2)
+    assert offload._residency.asynchronous and offload._grad_stream is not None
+    in_flight: list[tuple[int, int]] = []
+    layer_done = offload._layer_done
+
+    def record(index):
+        in_flight.append((len(offload._pending), offload.device_bytes()["grads"]))
+        layer_done(index)
+
+    offload._layer_done = record
+    assert run_steps(offload, 3) == pytest.approx(run_steps(single, 3), abs=1e-6)
+    assert max(count for count, _ in in_flight) > 0 and max(nbytes for _, nbytes in in_flight) > 0
+    assert offload._pending == [] and offload.device_bytes()["grads"] == 0
+    mine, theirs = weights(offload), weights(single)
+    for name in theirs:
+        torch.testing.assert_close(mine[name], theirs[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_export_of_an_offload_checkpoint_is_the_trained_model(tiny_model_path, tmp_path):
+    """A training checkpoint of the offload engine exports like single's: a Hugging Face folder whose
+    weights are the FP32 masters (not the bf16 working copies)."""
+    from transformers import AutoModelForCausalLM
+
+    from trellis.checkpoint import CheckpointManager, export_to_hf
+
+    eng = build(OffloadEngine, tiny_model_path, dtype="bfloat16", lr=1e-3)
+    run_steps(eng, 2)
+    hf_files = {
+        path.name: path.read_bytes()
+        for path in Path(tiny_model_path).glob("*.json")
+        if not path.name.endswith(".index.json")
+    }
+    ckpt = CheckpointManager(tmp_path / "ckpt").save(2, {"actor": eng.state_dict()}, hf_files=hf_files)
+    export_to_hf(ckpt, tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    masters = weights(eng)
+    assert exported.keys() == masters.keys()
+    for name, tensor in masters.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(exported[name], tensor), name

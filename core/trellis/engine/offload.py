@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -137,6 +137,7 @@ class LayerResidency:
         device: the compute device.
         backend: the device backend whose streams and events order the copies.
         on_change: called with the change in resident bytes after every move.
+        asynchronous: copy on a side stream, ordered by events (an accelerator); False: copy in line.
     """
 
     def __init__(
@@ -146,13 +147,14 @@ class LayerResidency:
         device: torch.device,
         backend: DeviceBackend,
         on_change: Callable[[int], None],
+        asynchronous: bool,
     ):
         self.layers = layers
         self.budget = budget
         self.device = device
         self.backend = backend
         self.on_change = on_change
-        self.asynchronous = device.type != "cpu"
+        self.asynchronous = asynchronous
         self.copy_stream: DeviceStream | None = backend.Stream() if self.asynchronous else None
         self.resident: dict[int, DeviceEvent | None] = {}
         """Resident layer -> the event its copy-in completes at (None: ready)."""
@@ -290,6 +292,9 @@ class OffloadEngine(TrainingEngine):
     """
 
     name = "offload"
+    streams_on_cpu: ClassVar[bool] = False
+    """Take the side-stream path (copies ordered by events, gradients landing later) on a CPU device
+    too, where it runs in order; tests set it to cover that path without an accelerator."""
 
     def _init_parallel(self, process_group: Any) -> tuple[int, int]:
         if process_group is not None and torch.distributed.is_initialized():
@@ -326,9 +331,12 @@ class OffloadEngine(TrainingEngine):
         self._outer_states: list[ParameterState] = []
         self._resident_bytes = self._peak_resident_bytes = 0
         self._pending: list[tuple[DeviceEvent, ParameterState, torch.Tensor]] = []
-        self._grad_stream: DeviceStream | None = self.backend.Stream() if self.device.type != "cpu" else None
+        # the stream path on an accelerator (or, for its tests, on the CPU where streams are in order)
+        self._asynchronous = self.device.type != "cpu" or self.streams_on_cpu
+        self._pin = self.device.type != "cpu" and _can_pin()
+        self._grad_stream: DeviceStream | None = self.backend.Stream() if self._asynchronous else None
         self._anchor = torch.zeros((), requires_grad=True)  # gives every layer's output a backward node
-        self._build_states(module, layers, pin=self.device.type != "cpu" and _can_pin())
+        self._build_states(module, layers, pin=self._pin)
         return module
 
     def _optimizer_kwargs(self) -> dict[str, Any]:
@@ -361,7 +369,12 @@ class OffloadEngine(TrainingEngine):
                 if buffer is not None:
                     owner._buffers[key] = buffer.to(self.device)
         self._residency = LayerResidency(
-            self._layer_states, self.resident_layers, self.device, self.backend, self._count
+            self._layer_states,
+            self.resident_layers,
+            self.device,
+            self.backend,
+            self._count,
+            self._asynchronous,
         )
         for index, layer in enumerate(layers):
             if hasattr(layer, "gradient_checkpointing"):  # this engine recomputes each layer itself
@@ -476,7 +489,7 @@ class OffloadEngine(TrainingEngine):
             return
         self._finish(state)  # its staging buffer is reused: the previous copy must have landed
         if state.staging is None:
-            state.staging = _host_tensor(torch.empty_like(grad, device=HOST), True)
+            state.staging = _host_tensor(torch.empty_like(grad, device=HOST), self._pin)
         self._grad_stream.wait_stream(self.backend.current_stream())
         with self.backend.stream(self._grad_stream):
             state.staging.copy_(grad, non_blocking=True)
