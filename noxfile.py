@@ -92,7 +92,7 @@ def lint(session: nox.Session) -> None:
     # them installed (torch on the same line, see TORCH); the core itself is read from core/.
     project = nox.project.load_toml("pyproject.toml")["project"]
     extras = project["optional-dependencies"]
-    deps = [*project["dependencies"], *extras["ray"], *extras["test"]]
+    deps = [*project["dependencies"], *extras["ray"], *extras["lora"], *extras["test"]]
     session.install(TORCH, "mypy==2.4.1", "types-PyYAML==6.0.12.20261122", *deps)  # pinned, like ruff
     session.run("mypy")
 
