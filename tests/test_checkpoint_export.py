@@ -4,15 +4,11 @@ model's exact logits; shard merging as FSDP2 shards; clear errors."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from _spawn import init_gloo, run_ranks
 
 from trellis.checkpoint import CheckpointManager, export_to_hf
 from trellis.checkpoint.export import merge_model_shards
@@ -165,15 +161,7 @@ def _worker(rank: int, port: int, model_path: str, root: str) -> None:
 
     from trellis.engine.fsdp import FSDPEngine
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=90),
-    )
-    try:
+    with init_gloo(rank, port, WORLD, timeout_s=90):
         engine = build(FSDPEngine, model_path)
         train_step(engine, batch(rows=4)[[2 * rank, 2 * rank + 1]])
         manager = CheckpointManager(root, rank=rank, world_size=WORLD, barrier=dist.barrier)
@@ -181,14 +169,6 @@ def _worker(rank: int, port: int, model_path: str, root: str) -> None:
         full = {name: tensor.clone() for name, tensor in engine.iter_full_params()}
         if rank == 0:
             torch.save(full, Path(root) / "full.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -199,28 +179,7 @@ def fsdp_checkpoint(tmp_path_factory):
     # odd sizes: the mlp's (129, 64) weights and the (401, 64) embedding split into unequal halves
     model_path = save_tiny_model(tmp_path_factory.mktemp("odd_model"), intermediate_size=129, vocab_size=401)
     root = str(tmp_path_factory.mktemp("fsdp_ckpt"))
-    port, tests_dir = _free_port(), str(Path(__file__).parent)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    procs = []
-    try:
-        for rank in range(WORLD):
-            code = (
-                f"import sys; sys.path.insert(0, {tests_dir!r}); import test_checkpoint_export as t; "
-                f"t._worker({rank}, {port}, {model_path!r}, {root!r})"
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-                )
-            )
-        logs = [proc.communicate(timeout=180)[0].decode(errors="replace") for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} failed (exit {proc.returncode}):\n{log[-4000:]}"
+    run_ranks("test_checkpoint_export", WORLD, model_path, root)
     return f"{root}/global_step_1", torch.load(Path(root) / "full.pt", weights_only=True)
 
 

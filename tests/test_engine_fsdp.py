@@ -12,16 +12,12 @@ exactly the weights and buffers a ``single`` engine loads (actor, critic, FSDP's
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
+from _spawn import init_gloo, load_results, run_ranks
 from test_engine_base import make_batch, policy_loss_fn, value_loss_fn
 
 from trellis.config.schema import ActorConfig, CriticConfig, ModelConfig, OffloadConfig, OptimConfig
@@ -124,25 +120,12 @@ def _counting_from_pretrained():
 
 def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     """One rank of the two-process run; writes its results to ``out_dir/rank{rank}.pt``."""
-    import torch.distributed as dist
-
     from trellis.engine.fsdp import FSDPEngine
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=90),
-    )
-    try:
-        with _counting_from_pretrained() as loads:
-            results = _rank_results(FSDPEngine, rank, path, out_dir)
+    with init_gloo(rank, port, WORLD, timeout_s=90), _counting_from_pretrained() as loads:
+        results = _rank_results(FSDPEngine, rank, path, out_dir)
         results["from_pretrained_calls"] = loads
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def _rank_results(engine_cls, rank: int, path: str, out_dir: str) -> dict:
@@ -175,46 +158,12 @@ def _rank_results(engine_cls, rank: int, path: str, out_dir: str) -> dict:
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp_results(tiny_model_path, tmp_path_factory):
     """Run the two ranks as fresh interpreters; their results, per rank."""
     out_dir = tmp_path_factory.mktemp("fsdp")
-    port = _free_port()
-    tests_dir = str(Path(__file__).parent)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
-    procs = []
-    try:
-        for rank in range(WORLD):
-            code = (
-                f"import sys; sys.path.insert(0, {tests_dir!r}); import test_engine_fsdp as t; "
-                f"t._worker({rank}, {port}, {tiny_model_path!r}, {str(out_dir)!r})"
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-                )
-            )
-        logs = [proc.communicate(timeout=180)[0].decode(errors="replace") for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} failed (exit {proc.returncode}):\n{log[-4000:]}"
-    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    run_ranks("test_engine_fsdp", WORLD, tiny_model_path, out_dir, env={"HF_DATASETS_OFFLINE": "1"})
+    return load_results(out_dir, WORLD)
 
 
 @pytest.mark.parametrize("case", list(CASES))

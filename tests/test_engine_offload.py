@@ -12,15 +12,11 @@ through the device backend's memory accounting (skipped without a GPU).
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from _spawn import init_gloo, load_results, run_ranks
 from test_engine_base import make_batch, policy_loss_fn, value_loss_fn
 
 from trellis.config import ConfigValueError, TrellisConfig
@@ -313,19 +309,9 @@ def _offload_flags(engine):
 
 def _fsdp_worker(rank: int, port: int, path: str, out_dir: str) -> None:
     """One rank of the two-process run; writes its results to ``out_dir/rank{rank}.pt``."""
-    import torch.distributed as dist
-
     from trellis.engine.fsdp import FSDPEngine
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=90),
-    )
-    try:
+    with init_gloo(rank, port, WORLD, timeout_s=90):
         results: dict = {}
         for case, (param, optimizer) in FSDP_CASES.items():
             engine = build(path, "actor", param, optimizer, engine_cls=FSDPEngine)
@@ -348,51 +334,13 @@ def _fsdp_worker(rank: int, port: int, path: str, out_dir: str) -> None:
         except ConfigValueError as exc:
             results["param_alone"] = str(exc)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _run_ranks(code_for_rank, world, timeout=180):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    procs = []
-    try:
-        for rank in range(world):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", code_for_rank(rank)],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        logs = [proc.communicate(timeout=timeout)[0].decode(errors="replace") for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} failed (exit {proc.returncode}):\n{log[-4000:]}"
 
 
 @pytest.fixture(scope="module")
 def fsdp_results(tiny_model_path, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fsdp_offload")
-    port, tests_dir = _free_port(), str(Path(__file__).parent)
-    _run_ranks(
-        lambda rank: (
-            f"import sys; sys.path.insert(0, {tests_dir!r}); import test_engine_offload as t; "
-            f"t._fsdp_worker({rank}, {port}, {tiny_model_path!r}, {str(out_dir)!r})"
-        ),
-        WORLD,
-    )
-    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    run_ranks("test_engine_offload", WORLD, tiny_model_path, out_dir, func="_fsdp_worker")
+    return load_results(out_dir, WORLD)
 
 
 def test_fsdp_offload_param_installs_fsdps_cpu_offload(fsdp_results):
@@ -523,8 +471,8 @@ def test_cuda_training_matches_without_offload(tiny_model_path, param, optimizer
         torch.testing.assert_close(tensor.to(full[name].device), full[name], rtol=1e-6, atol=1e-6)
 
 
-def _cuda_fsdp_worker(port: int, path: str, out_dir: str) -> None:
-    """A one-process NCCL world: FSDP's CPU offload on a real accelerator."""
+def _cuda_fsdp_worker(rank: int, port: int, path: str, out_dir: str) -> None:
+    """A one-process NCCL world (``rank`` 0): FSDP's CPU offload on a real accelerator."""
     import gc
 
     import torch.distributed as dist
@@ -532,7 +480,7 @@ def _cuda_fsdp_worker(port: int, path: str, out_dir: str) -> None:
     from trellis.engine.fsdp import FSDPEngine
 
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
     try:
         results = {}
         for case, (param, optimizer) in FSDP_CASES.items():
@@ -565,14 +513,7 @@ def _cuda_fsdp_worker(port: int, path: str, out_dir: str) -> None:
 
 @cuda
 def test_cuda_fsdp_cpu_offload_keeps_the_shards_on_the_host(tiny_model_path, tmp_path):
-    port, tests_dir = _free_port(), str(Path(__file__).parent)
-    _run_ranks(
-        lambda rank: (
-            f"import sys; sys.path.insert(0, {tests_dir!r}); import test_engine_offload as t; "
-            f"t._cuda_fsdp_worker({port}, {tiny_model_path!r}, {str(tmp_path)!r})"
-        ),
-        1,
-    )
+    run_ranks("test_engine_offload", 1, tiny_model_path, tmp_path, func="_cuda_fsdp_worker")
     results = torch.load(tmp_path / "rank0.pt", weights_only=False)
     plain, streamed, optimizer = results["plain"], results["cpu_offload"], results["optimizer"]
     assert plain["param_devices"] == ["cuda"] and streamed["param_devices"] == ["cpu"]

@@ -10,15 +10,11 @@ reference ignores the adapters; bad settings fail with the key and the fix; the 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from _spawn import init_gloo, run_ranks
 from test_engine_base import make_batch, policy_loss_fn, value_loss_fn
 
 from trellis.config.base import ConfigValueError
@@ -397,15 +393,7 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     from trellis.checkpoint import CheckpointManager
     from trellis.engine.fsdp import FSDPEngine
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=90),
-    )
-    try:
+    with init_gloo(rank, port, WORLD, timeout_s=90):
         engine = build(path, engine_cls=FSDPEngine, mbs=2, packed=True)
         rows = list(range(4 * rank, 4 * rank + 4))
         losses = [step(engine, seed=seed, rows=rows) for seed in (0, 1)]
@@ -414,41 +402,12 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
         manager.save(2, {"actor": engine.state_dict()}, hf_files=path)
         if rank == 0:
             torch.save({"losses": losses, "merged": merged}, Path(out_dir) / "result.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tiny_model_path, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("lora_fsdp"))
-    port, tests_dir = _free_port(), str(Path(__file__).parent)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    procs = []
-    try:
-        for rank in range(WORLD):
-            code = (
-                f"import sys; sys.path.insert(0, {tests_dir!r}); import test_lora as t; "
-                f"t._worker({rank}, {port}, {tiny_model_path!r}, {out_dir!r})"
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-                )
-            )
-        logs = [proc.communicate(timeout=180)[0].decode(errors="replace") for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} failed (exit {proc.returncode}):\n{log[-4000:]}"
+    run_ranks("test_lora", WORLD, tiny_model_path, out_dir)
     return out_dir, torch.load(Path(out_dir) / "result.pt", weights_only=True)
 
 
