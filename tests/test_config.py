@@ -134,6 +134,7 @@ def test_default_dict_matches_a_built_config_except_derived_fields():
         "actor.clip_ratio_high",
         "critic.ppo_mini_batch_size",
         "critic.ppo_epochs",
+        "ref.ulysses_sequence_parallel_size",
         "rollout.max_tokens",
         "rollout.seed",
         "trainer.run_dir",

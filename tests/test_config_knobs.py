@@ -147,6 +147,11 @@ KNOBS: dict[str, tuple[str, ...]] = {
         "tests/test_engine_offload.py::test_fsdp_offload_param_installs_fsdps_cpu_offload",
         "tests/test_engine_offload.py::test_cuda_each_phase_brings_in_and_puts_back_the_offloaded_bytes",
     ),
+    "actor.ulysses_sequence_parallel_size": (
+        "tests/test_engine_sequence_parallel.py::test_sequence_parallel_matches_one_process",
+        "tests/test_engine_sequence_parallel.py::test_the_tiny_preset_trains_with_sequence_parallel_ray_workers",
+        "tests/test_engine_sequence_parallel.py::test_sequence_parallel_needs_fsdp_packing_and_divisible_heads",
+    ),
     "actor.offload.resident_layers": (
         "tests/test_engine_offload_layers.py::test_prefetch_runs_ahead_with_two_resident_layers",
         "tests/test_engine_offload_layers.py::test_residency_and_peak_stay_within_the_budget",
@@ -192,6 +197,10 @@ KNOBS: dict[str, tuple[str, ...]] = {
         "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
         "tests/test_engine_offload.py::test_fsdp_offload_param_without_optimizer_is_refused_with_the_fix",
     ),
+    "critic.ulysses_sequence_parallel_size": (
+        "tests/test_engine_sequence_parallel.py::test_sequence_parallel_matches_one_process",
+        "tests/test_engine_sequence_parallel.py::test_sequence_parallel_needs_fsdp_packing_and_divisible_heads",
+    ),
     "critic.offload.resident_layers": (
         "tests/test_engine_offload_layers.py::test_prefetch_runs_ahead_with_two_resident_layers",
         "tests/test_engine_offload_layers.py::test_residency_and_peak_stay_within_the_budget",
@@ -208,6 +217,10 @@ KNOBS: dict[str, tuple[str, ...]] = {
         "tests/test_engine_offload.py::test_the_offload_knobs_reach_every_role",
         "tests/test_engine_offload.py::test_each_phase_moves_exactly_what_its_knobs_offload",
         "tests/test_engine_offload.py::test_fsdp_offload_param_installs_fsdps_cpu_offload",
+    ),
+    "ref.ulysses_sequence_parallel_size": (
+        "tests/test_engine_sequence_parallel.py::test_sequence_parallel_matches_one_process",
+        "tests/test_engine_sequence_parallel.py::test_the_reference_follows_the_actors_size",
     ),
     "ref.offload.resident_layers": (
         "tests/test_engine_offload_layers.py::test_prefetch_runs_ahead_with_two_resident_layers",

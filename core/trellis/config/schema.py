@@ -252,6 +252,13 @@ class ActorConfig(BaseConfig):
         "torch.distributed) or offload (FP32 state on the host, layers streamed through the device). "
         "single runs anywhere.",
     )
+    ulysses_sequence_parallel_size: int = knob(
+        1,
+        "Ulysses sequence parallelism: each sequence is split over this many ranks (attention exchanges "
+        "heads with an all-to-all), for sequences whose activations do not fit one device. Needs engine "
+        "fsdp, use_remove_padding and a head count it divides; 1 = off.",
+        ge=1,
+    )
     ppo_mini_batch_size: int = knob(
         8,
         "Prompts per optimizer step (× rollout.n responses). 8 of 32 prompts gives 4 updates per step.",
@@ -340,6 +347,9 @@ class CriticConfig(BaseConfig):
         "it needs values (gae).",
     )
     engine: str = knob("single", "Training engine, a name in trellis.training_engines (see actor.engine).")
+    ulysses_sequence_parallel_size: int = knob(
+        1, "Ranks each sequence is split over in the critic (see actor.ulysses_sequence_parallel_size).", ge=1
+    )
     placement: Literal["colocated", "separate"] = knob(
         "colocated",
         "Where the critic's workers run. colocated: in the policy's worker processes (one per device, "
@@ -392,6 +402,11 @@ class RefConfig(BaseConfig):
         "(actor.use_kl_loss or algorithm.use_kl_in_reward) or the estimator or policy loss declares it does.",
     )
     engine: str = knob("single", "Training engine that runs its forward passes (see actor.engine).")
+    ulysses_sequence_parallel_size: int | None = knob(
+        None,
+        "Ranks each sequence is split over in reference passes. null = the actor's; the reference runs "
+        "on the actor's workers, so any other value is refused.",
+    )
     log_prob_micro_batch_size_per_device: int = knob(
         4, "Responses per reference forward pass on one device.", ge=1
     )
@@ -974,6 +989,16 @@ class TrellisConfig(BaseConfig):
             critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
         if critic.ppo_epochs is None:
             critic.ppo_epochs = actor.ppo_epochs
+        if ref.ulysses_sequence_parallel_size is None:
+            ref.ulysses_sequence_parallel_size = actor.ulysses_sequence_parallel_size
+        if ref.ulysses_sequence_parallel_size != actor.ulysses_sequence_parallel_size:
+            raise ConfigValueError(
+                "ref.ulysses_sequence_parallel_size",
+                ref.ulysses_sequence_parallel_size,
+                f"must equal actor.ulysses_sequence_parallel_size ({actor.ulysses_sequence_parallel_size}): "
+                "the reference runs on the actor's workers and splits its batches as the actor's mesh does",
+                hint=" Leave it null to follow the actor.",
+            )
 
         # relations between sections
         if rollout.max_tokens > data.max_response_length:

@@ -68,7 +68,7 @@ from trellis.algorithms.logprobs import logprobs_and_entropy_from_logits, logpro
 from trellis.config.base import ConfigValueError, schema_default
 from trellis.config.schema import ActorConfig, CriticConfig, OffloadConfig, RefConfig
 from trellis.data.protocol import DataProto
-from trellis.engine import lora, packing
+from trellis.engine import lora, packing, sequence_parallel
 from trellis.engine.fused import apply_fused_kernels
 from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, micro_batch_groups
 from trellis.engine.models import compute_dtype, load_model, model_setting
@@ -120,6 +120,8 @@ class TrainingEngine:
     """
 
     name: ClassVar[str] = "base"
+    supports_sequence_parallel: ClassVar[bool] = False
+    """Whether the engine can split sequences over ranks (``ulysses_sequence_parallel_size`` > 1)."""
 
     def __init__(
         self,
@@ -141,6 +143,10 @@ class TrainingEngine:
         self.dtype = compute_dtype(model_setting(model_config, "dtype"))
         self.use_remove_padding = bool(model_setting(model_config, "use_remove_padding"))
         self.micro_batch_size, self.max_tokens, self.grad_clip = _batching(role, self.role_config)
+        self.sp_size = self._sp_size()
+        """Ranks each sequence is split over (the role's ``ulysses_sequence_parallel_size``)."""
+        self.sp_group: Any = None
+        """The sequence-parallel group of this rank (set by ``_init_parallel`` when ``sp_size`` > 1)."""
         self.dp_rank, self.dp_size = self._init_parallel(process_group)
         self.offload_param, self.offload_optimizer = _offload(role, self.role_config)
         """The role's ``offload.param`` / ``offload.optimizer``: what waits in host memory between phases."""
@@ -162,6 +168,8 @@ class TrainingEngine:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(module.forward).parameters
         self.fused_kernels = apply_fused_kernels(module, model_setting(model_config, "fused_kernels"))
         """What ``model.fused_kernels`` swapped in: ``{kernel name: modules replaced}``."""
+        if self.sp_size > 1:
+            self._use_ulysses_attention(module)
         self.lora = lora.lora_settings(model_config, role)
         """The role's adapter settings (``model.lora``), or None: every weight trains (and always for ref)."""
         if self.lora is not None:
@@ -205,6 +213,47 @@ class TrainingEngine:
         """Place (and shard) the float32 CPU model on ``self.device`` (or keep it on the host, with
         ``offload_param``); returns the module to run."""
         raise NotImplementedError
+
+    def _sp_size(self) -> int:
+        """The role's ``ulysses_sequence_parallel_size`` (null: 1), checked against this engine."""
+        size = role_setting(self.role, self.role_config, "ulysses_sequence_parallel_size")
+        size = 1 if size is None else size
+        key = f"{self.role}.ulysses_sequence_parallel_size"
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigValueError(key, size, "must be a whole number of ranks >= 1")
+        if size > 1 and not self.supports_sequence_parallel:
+            raise ConfigValueError(
+                key,
+                size,
+                f"needs an engine that splits sequences over ranks; engine {self.name!r} runs each sequence "
+                "on one device",
+                hint=f" Set {self.role}.engine=fsdp.",
+            )
+        if size > 1 and not self.use_remove_padding:
+            raise ConfigValueError(
+                key, size, "needs model.use_remove_padding: true (sequences are split as packed tokens)"
+            )
+        return size
+
+    def _use_ulysses_attention(self, module: Any) -> None:
+        """Route the model's attention through the Ulysses wrapper of its own implementation."""
+        inner = module.config._attn_implementation
+        if inner not in sequence_parallel.ULYSSES_INNER:
+            raise ConfigValueError(
+                f"{self.role}.ulysses_sequence_parallel_size",
+                self.sp_size,
+                f"needs a varlen attention implementation ({list(sequence_parallel.ULYSSES_INNER)}); the "
+                f"model runs {inner!r}",
+                hint=" Set model.attn_implementation=sdpa (run per packed sequence) or flash_attention_2.",
+            )
+        heads = module.config.num_attention_heads
+        try:
+            sequence_parallel.check_sp_size(heads, self.sp_size)
+        except ValueError as exc:
+            raise ConfigValueError(
+                f"{self.role}.ulysses_sequence_parallel_size", self.sp_size, str(exc)
+            ) from None
+        module.config._attn_implementation = sequence_parallel.register_ulysses_attention(inner)
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         """What the optimizer steps (those that require grad): the model's parameters; the ``offload``
@@ -331,6 +380,8 @@ class TrainingEngine:
 
     def _run_micro_batch(self, micro: DataProto, compute_entropy: bool) -> dict[str, torch.Tensor]:
         """The model on one micro-batch (on ``self.device``); outputs ``(mbs, T)`` per key."""
+        if self.sp_group is not None:
+            return self._run_sequence_parallel(micro, compute_entropy)
         tensors = micro.tensors
         input_ids, attention_mask = tensors["input_ids"], tensors["attention_mask"]
         responses = tensors["responses"]
@@ -384,6 +435,54 @@ class TrainingEngine:
                 key: value.new_zeros(bs, width).masked_scatter(valid, value) for key, value in stats.items()
             }
         return {key: torch.where(valid, value, 0.0) for key, value in stats.items()}
+
+    def _run_sequence_parallel(self, micro: DataProto, compute_entropy: bool) -> dict[str, torch.Tensor]:
+        """One packed micro-batch split over the sequence-parallel group: every rank of the group holds
+        the same rows, feeds its contiguous slice of the packed tokens, and gathers the per-token
+        outputs back (:mod:`trellis.engine.sequence_parallel`); attention sees the whole sequence on a
+        share of the heads. Each rank computes the same loss from the gathered outputs; the gather's
+        backward hands each rank its slice's gradient times ``sp_size``, so FSDP's average over all
+        ``dp × sp`` ranks is the data-parallel average of each sequence's whole gradient."""
+        tensors = micro.tensors
+        input_ids, attention_mask = tensors["input_ids"], tensors["attention_mask"]
+        position_ids = tensors.get("position_ids", None)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        bs, length = input_ids.shape
+        width = tensors["responses"].shape[1]
+        first = length - width - 1
+        packed = packing.pack(input_ids, attention_mask, position_ids)
+        slot = packing.unpack(torch.arange(packed.total, device=input_ids.device), packed, fill=-1)
+        slot = slot[:, first : length - 1]
+        valid = slot >= 0
+        keep = slot[valid]
+        # each kept position's label is its response token (as unpacked: padding where the response
+        # ended); the other positions' labels are never read
+        labels = torch.zeros_like(packed.input_ids)
+        labels[0, keep] = tensors["responses"][valid]
+        whole = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": labels}
+        local, sp = sequence_parallel.slice_packed(whole, packed.cu_seqlens, self.sp_group)
+        with self._compute_context():
+            out = self.model(
+                input_ids=local["input_ids"],
+                position_ids=local["position_ids"],
+                use_cache=False,
+                **sequence_parallel.attention_kwargs(sp, self.sp_group),
+            )
+        logits = out.logits[0]  # (local tokens, V or 1)
+        if self.role == "critic":
+            stats = {"values": logits[..., 0].float()}
+        else:
+            stats = self._token_stats(
+                logits, local["labels"][0], compute_entropy, micro.meta_info.get("temperature")
+            )
+        return {
+            key: value.new_zeros(bs, width).masked_scatter(
+                valid,
+                sequence_parallel.gather_outputs(value, sp, self.sp_group, grad_scale=self.sp_size)[keep],
+            )
+            for key, value in stats.items()
+        }
 
     def _token_stats(
         self, logits: torch.Tensor, labels: torch.Tensor, compute_entropy: bool, temperature: Any
@@ -795,6 +894,16 @@ def _enable_checkpointing(module: torch.nn.Module) -> None:
     else:
         enable = getattr(module, "gradient_checkpointing_enable")  # noqa: B009 - a PreTrainedModel's
         enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def check_state_keys(live: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+    """Raise ValueError naming what a model state lacks and what it has too many of, against ``live``."""
+    missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
+    if missing or unexpected:
+        raise ValueError(
+            f"load_state_dict: the model state does not match this model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}. Load a state saved by an engine of the same model."
+        )
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

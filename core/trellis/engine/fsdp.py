@@ -52,7 +52,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trellis.config.base import ConfigValueError
-from trellis.engine.base import HOST, EngineError, TrainingEngine
+from trellis.engine.base import HOST, EngineError, TrainingEngine, check_state_keys
 from trellis.engine.models import build_meta_model, decoder_layers, load_model
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -71,6 +71,7 @@ class FSDPEngine(TrainingEngine):
     """
 
     name = "fsdp"
+    supports_sequence_parallel = True
 
     def _init_parallel(self, process_group: Any) -> tuple[int, int]:
         if not (dist.is_available() and dist.is_initialized()):
@@ -82,8 +83,26 @@ class FSDPEngine(TrainingEngine):
         group = process_group if process_group is not None else dist.group.WORLD
         assert group is not None  # WORLD is set once torch.distributed is initialized: checked above
         self.process_group = group
-        self.mesh = DeviceMesh.from_group(group, self.device.type)
-        return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        self.mesh = DeviceMesh.from_group(group, self.device.type)  # FSDP shards over every rank
+        self.group_rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.dp_group = group
+        if self.sp_size == 1:
+            return self.group_rank, world
+        # a (dp x sp) layout: ranks r*sp .. r*sp + sp - 1 split the sequences of data-parallel rank r
+        if world % self.sp_size:
+            raise ConfigValueError(
+                f"{self.role}.ulysses_sequence_parallel_size",
+                self.sp_size,
+                f"must divide the {world} ranks of the engine's group into sequence-parallel groups",
+            )
+        ranks = dist.get_process_group_ranks(group)
+        dp_size = world // self.sp_size
+        # every rank creates every group, in the same order (new_group is collective)
+        sp_groups = [dist.new_group(ranks[i * self.sp_size : (i + 1) * self.sp_size]) for i in range(dp_size)]
+        dp_groups = [dist.new_group(ranks[j :: self.sp_size]) for j in range(self.sp_size)]
+        self.sp_group = sp_groups[self.group_rank // self.sp_size]
+        self.dp_group = dp_groups[self.group_rank % self.sp_size]
+        return self.group_rank // self.sp_size, dp_size
 
     def _check_offload(self) -> None:
         if self.role != "ref" and self.offload_param and not self.offload_optimizer:
@@ -99,7 +118,7 @@ class FSDPEngine(TrainingEngine):
     def _load_module(self, model_config: Any, *, value_model: bool, path: str | None, seed: int) -> Any:
         module, failure = None, None
         try:
-            if self.dp_rank == 0:
+            if self.group_rank == 0:
                 module = load_model(model_config, value_model=value_model, path=path, seed=seed)
             else:
                 module = build_meta_model(model_config, value_model=value_model, path=path)
@@ -107,11 +126,13 @@ class FSDPEngine(TrainingEngine):
             failure = exc
         # Every rank learns of a failure here; else the others would wait out the collective
         # timeout for weights that never come from rank 0.
-        if self._all_reduce(torch.tensor(float(failure is not None)), "max").item():
+        failed = torch.tensor(float(failure is not None), device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.process_group)  # every rank, sp peers too
+        if failed.item():
             if failure is not None:
                 raise failure
             raise EngineError(
-                f"fsdp rank {self.dp_rank}: another rank of the process group failed to build the "
+                f"fsdp rank {self.group_rank}: another rank of the process group failed to build the "
                 f"{self.role} model; its error says why."
             )
         return module
@@ -120,7 +141,7 @@ class FSDPEngine(TrainingEngine):
         # Rank 0's whole weights, sent after sharding: detached views keep the host copies alive
         # (fully_shard moves the parameters themselves onto the device, block by block).
         source: dict[str, torch.Tensor] = {}
-        if self.dp_rank == 0:
+        if self.group_rank == 0:
             source = {name: param.detach() for name, param in module.named_parameters()}
         if self.dtype == torch.float32:
             policy = MixedPrecisionPolicy()
@@ -135,7 +156,7 @@ class FSDPEngine(TrainingEngine):
         for layer in decoder_layers(module):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
         fully_shard(module, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
-        if self.dp_rank != 0:  # storage for the meta shards: in host memory under FSDP's CPU offload
+        if self.group_rank != 0:  # storage for the meta shards: in host memory under FSDP's CPU offload
             module.to_empty(device=HOST if self.offload_param else self.device)
             for buffer in module.buffers():  # buffers (unsharded) stay on the device, as FSDP puts them
                 if buffer.device != self.device:
@@ -190,13 +211,14 @@ class FSDPEngine(TrainingEngine):
             self.model.zero_grad(set_to_none=True)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Over the data-parallel ranks (the ranks of a sequence-parallel group hold the same rows)."""
         tensor = tensor.detach().to(self.device, copy=True)
-        dist.all_reduce(tensor, op=_OPS[op], group=self.process_group)
+        dist.all_reduce(tensor, op=_OPS[op], group=self.dp_group)
         return tensor
 
     def _union_keys(self, keys: list[str]) -> list[str]:
         gathered: list[Any] = [None] * self.dp_size
-        dist.all_gather_object(gathered, sorted(keys), group=self.process_group)
+        dist.all_gather_object(gathered, sorted(keys), group=self.dp_group)
         return sorted({key for rank_keys in gathered for key in rank_keys})
 
     def _compute_context(self) -> contextlib.AbstractContextManager:
@@ -233,12 +255,7 @@ class FSDPEngine(TrainingEngine):
 
     def _load_model_state(self, state: Mapping[str, torch.Tensor]) -> None:
         live = self.model.state_dict()
-        missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
-        if missing or unexpected:
-            raise ValueError(
-                f"load_state_dict: the model state does not match this model: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}. Load a state saved by an engine of the same model."
-            )
+        check_state_keys(live, state)
         with torch.no_grad():
             for key, value in state.items():
                 target = _local(live[key])

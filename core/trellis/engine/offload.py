@@ -46,7 +46,7 @@ import torch
 from trellis.config.base import schema_default
 from trellis.config.schema import OffloadConfig
 from trellis.device.base import DeviceBackend, DeviceEvent, DeviceStream
-from trellis.engine.base import HOST, TrainingEngine, role_setting, same_device
+from trellis.engine.base import HOST, TrainingEngine, check_state_keys, role_setting, same_device
 from trellis.engine.models import decoder_layers
 from trellis.errors import EngineError
 from trellis.utils.settings import setting
@@ -585,13 +585,7 @@ class OffloadEngine(TrainingEngine):
 
     def _load_model_state(self, state: Mapping[str, torch.Tensor]) -> None:
         mine = self._model_state()
-        missing = sorted(set(mine) - set(state))
-        unexpected = sorted(set(state) - set(mine))
-        if missing or unexpected:
-            raise ValueError(
-                f"load_state_dict: the model state does not match this model: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}; load a state saved from the same model."
-            )
+        check_state_keys(mine, state)
         with torch.no_grad():
             for name, tensor in state.items():
                 if mine[name].shape != tensor.shape:

@@ -97,6 +97,12 @@ ROLLOUT_DISPATCH = {
 longest prompt and response, re-padded to the widest before they are joined."""
 
 
+def _sp_size(config: Any, mesh: str) -> int:
+    """The ``ulysses_sequence_parallel_size`` of the role that mesh ``mesh`` dispatches to."""
+    section = getattr(config, "critic" if mesh == "critic" else "actor", None)  # a partial config: 1
+    return int(getattr(section, "ulysses_sequence_parallel_size", None) or 1)
+
+
 class _Role(Worker):
     def __init__(self, config: Any, reward_fn: Any = None) -> None:
         self.config = config
@@ -104,10 +110,14 @@ class _Role(Worker):
         torch.set_num_threads(int(os.environ.get("TRELLIS_NUM_THREADS", torch.get_num_threads())))
         if "RANK" in os.environ:  # a process of its own (a Ray actor): seed its global generators, which
             seed_process(config.trainer.seed + self.rank)  # the driver's seeding never reached
-        # one data-parallel rank per worker on each mesh the methods are dispatched over ("actor",
-        # "critic"); sequence-parallel peers will share a dp rank, only one of them collected
+        # each worker's data-parallel rank on each mesh the methods are dispatched over ("actor" for the
+        # policy and reference, "critic"): the ranks of a sequence-parallel group (consecutive workers,
+        # as the fsdp engine groups them) share one dp rank and its rows; the first of them is collected
         for mesh in mesh_names(type(self)):
-            self._register_dispatch_collect_info(mesh, dp_rank=self.rank, is_collect=True)
+            sp = _sp_size(config, mesh)
+            self._register_dispatch_collect_info(
+                mesh, dp_rank=self.rank // sp, is_collect=self.rank % sp == 0
+            )
 
     def _engine(self, role: str, role_config: Any, total_steps: int | None) -> Any:
         from trellis.registries import training_engines
@@ -330,7 +340,7 @@ class ActorRolloutRefWorker(_Role):
         the trainer's next stage, :meth:`sync_rollout_weights`)."""
         cfg = self.config
         data.meta_info.setdefault("temperature", cfg.rollout.temperature)
-        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world_size
+        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.actor.dp_size  # rows of this dp rank
         return self._update(self.actor, data, self._actor_loss, cfg.actor, cfg.actor.ppo_epochs, max(1, mini))
 
     def _actor_loss(self, outputs: dict[str, torch.Tensor], micro: DataProto, info: GlobalBatchInfo) -> Any:
@@ -398,7 +408,7 @@ class CriticWorker(_Role):
         mini = (
             (cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size)
             * cfg.rollout.n
-            // self.world_size
+            // self.critic.dp_size
         )
         return self._update(self.critic, data, self._critic_loss, cfg.critic, epochs, max(1, mini))
 
