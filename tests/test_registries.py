@@ -28,6 +28,7 @@ DESIGN_TABLE = [
     "checkpoint_engines",
     "training_engines",
     "trackers",
+    "replay_pools",
 ]
 
 

@@ -106,3 +106,8 @@ class WeightSyncError(TrellisError, RuntimeError):
 class RolloutReplicaError(TrellisError, RuntimeError):
     """A rollout replica in a process of its own died, did not start or stopped answering; the
     message names the replica (its rank and process) and what happened."""
+
+
+class ReplayPoolError(TrellisError, ValueError):
+    """A bad replay-pool argument or group, or a saved pool that cannot be loaded as written; the
+    message names the argument, the group or the file."""

@@ -133,6 +133,17 @@ trackers: Registry[type] = Registry(
     ClassProtocol("a Tracker class with log(metrics, step) and finish()", methods=("log", "finish")),
 )
 
+replay_pools: Registry[type] = Registry(
+    "replay pool",
+    "trellis.replay_pools",
+    ClassProtocol(
+        "a ReplayPool class (trellis.replay.ReplayPool) with add, sample, drop_stale, save, load, __len__ "
+        "and capacity",
+        methods=("add", "sample", "drop_stale", "save", "load", "__len__"),
+        attributes=("capacity",),
+    ),
+)
+
 ALL: dict[str, Registry[Any]] = {
     "rollout_replicas": rollout_replicas,
     "agent_loops": agent_loops,
@@ -145,6 +156,7 @@ ALL: dict[str, Registry[Any]] = {
     "checkpoint_engines": checkpoint_engines,
     "training_engines": training_engines,
     "trackers": trackers,
+    "replay_pools": replay_pools,
 }
 """Every registry by its short name (the entry-point group without the ``trellis.`` prefix)."""
 

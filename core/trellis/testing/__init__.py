@@ -13,11 +13,13 @@ Each contract is a plain class of ``test_*`` methods; pytest collects them throu
 from trellis.testing.checkpoint import CheckpointEngineContract
 from trellis.testing.device import DeviceBackendContract
 from trellis.testing.registry import RegistryEntryContract
+from trellis.testing.replay import ReplayPoolContract
 from trellis.testing.rollout import RolloutReplicaContract
 
 __all__ = [
     "CheckpointEngineContract",
     "DeviceBackendContract",
     "RegistryEntryContract",
+    "ReplayPoolContract",
     "RolloutReplicaContract",
 ]
