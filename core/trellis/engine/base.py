@@ -380,8 +380,6 @@ class TrainingEngine:
 
     def _run_micro_batch(self, micro: DataProto, compute_entropy: bool) -> dict[str, torch.Tensor]:
         """The model on one micro-batch (on ``self.device``); outputs ``(mbs, T)`` per key."""
-        if self.sp_group is not None:
-            return self._run_sequence_parallel(micro, compute_entropy)
         tensors = micro.tensors
         input_ids, attention_mask = tensors["input_ids"], tensors["attention_mask"]
         responses = tensors["responses"]
@@ -401,66 +399,60 @@ class TrainingEngine:
             slot = slot[:, first : length - 1]
             valid = slot >= 0
             keep = slot[valid]
-            if self._logits_to_keep and not value_head:
-                keep_kwargs["logits_to_keep"] = keep
-            with self._compute_context():
-                out = self.model(
-                    **packed.model_inputs(self.attn_implementation, self.dtype),
-                    use_cache=False,
-                    **keep_kwargs,
+            if self.sp_group is not None:  # sp_size > 1 needs packing (checked when the engine is built)
+                stats = self._sequence_parallel_outputs(
+                    micro, packed, keep, responses[valid], compute_entropy
                 )
-            logits = out.logits[0] if keep_kwargs else out.logits[0, keep]  # (n_valid, V or 1)
-            labels = responses[valid]
-        else:
-            if self._logits_to_keep and not value_head:
-                keep_kwargs["logits_to_keep"] = width + 1  # the last T + 1 positions: first .. L - 1
-            with self._compute_context():
-                out = self.model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=False,
-                    **keep_kwargs,
-                )
-            logits = out.logits[:, :width] if keep_kwargs else out.logits[:, first : length - 1]
-            labels = responses
-            valid = attention_mask[:, first : length - 1].bool()
-
-        if value_head:
-            stats = {"values": logits[..., 0].float()}
-        else:
-            stats = self._token_stats(logits, labels, compute_entropy, micro.meta_info.get("temperature"))
-        if self.use_remove_padding:  # (n_valid,) back to (bs, T), 0 at padding
+            else:
+                if self._logits_to_keep and not value_head:
+                    keep_kwargs["logits_to_keep"] = keep
+                with self._compute_context():
+                    out = self.model(
+                        **packed.model_inputs(self.attn_implementation, self.dtype),
+                        use_cache=False,
+                        **keep_kwargs,
+                    )
+                logits = out.logits[0] if keep_kwargs else out.logits[0, keep]  # (n_valid, V or 1)
+                stats = self._outputs(logits, responses[valid], compute_entropy, micro)
+            # (n_valid,) back to (bs, T), 0 at padding
             return {
                 key: value.new_zeros(bs, width).masked_scatter(valid, value) for key, value in stats.items()
             }
+
+        if self._logits_to_keep and not value_head:
+            keep_kwargs["logits_to_keep"] = width + 1  # the last T + 1 positions: first .. L - 1
+        with self._compute_context():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                **keep_kwargs,
+            )
+        logits = out.logits[:, :width] if keep_kwargs else out.logits[:, first : length - 1]
+        stats = self._outputs(logits, responses, compute_entropy, micro)
+        valid = attention_mask[:, first : length - 1].bool()
         return {key: torch.where(valid, value, 0.0) for key, value in stats.items()}
 
-    def _run_sequence_parallel(self, micro: DataProto, compute_entropy: bool) -> dict[str, torch.Tensor]:
-        """One packed micro-batch split over the sequence-parallel group: every rank of the group holds
-        the same rows, feeds its contiguous slice of the packed tokens, and gathers the per-token
-        outputs back (:mod:`trellis.engine.sequence_parallel`); attention sees the whole sequence on a
-        share of the heads. Each rank computes the same loss from the gathered outputs; the gather's
-        backward hands each rank its slice's gradient times ``sp_size``, so FSDP's average over all
-        ``dp × sp`` ranks is the data-parallel average of each sequence's whole gradient."""
-        tensors = micro.tensors
-        input_ids, attention_mask = tensors["input_ids"], tensors["attention_mask"]
-        position_ids = tensors.get("position_ids", None)
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        bs, length = input_ids.shape
-        width = tensors["responses"].shape[1]
-        first = length - width - 1
-        packed = packing.pack(input_ids, attention_mask, position_ids)
-        slot = packing.unpack(torch.arange(packed.total, device=input_ids.device), packed, fill=-1)
-        slot = slot[:, first : length - 1]
-        valid = slot >= 0
-        keep = slot[valid]
-        # each kept position's label is its response token (as unpacked: padding where the response
-        # ended); the other positions' labels are never read
-        labels = torch.zeros_like(packed.input_ids)
-        labels[0, keep] = tensors["responses"][valid]
-        whole = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": labels}
+    def _sequence_parallel_outputs(
+        self,
+        micro: DataProto,
+        packed: packing.PackedBatch,
+        keep: torch.Tensor,
+        labels: torch.Tensor,
+        compute_entropy: bool,
+    ) -> dict[str, torch.Tensor]:
+        """The outputs at the packed positions ``keep`` (whose targets are ``labels``), the packed
+        tokens split over the sequence-parallel group: every rank of the group holds the same rows,
+        feeds its contiguous slice and gathers the per-token outputs back
+        (:mod:`trellis.engine.sequence_parallel`); attention sees the whole sequence on a share of the
+        heads. Each rank computes the same loss from the gathered outputs; the gather's backward hands
+        each rank its slice's gradient times ``sp_size``, so FSDP's average over all ``dp × sp`` ranks
+        is the data-parallel average of each sequence's whole gradient."""
+        # the label of each kept position travels with it; the other positions' labels are never read
+        targets = torch.zeros_like(packed.input_ids)
+        targets[0, keep] = labels
+        whole = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": targets}
         local, sp = sequence_parallel.slice_packed(whole, packed.cu_seqlens, self.sp_group)
         with self._compute_context():
             out = self.model(
@@ -469,20 +461,19 @@ class TrainingEngine:
                 use_cache=False,
                 **sequence_parallel.attention_kwargs(sp, self.sp_group),
             )
-        logits = out.logits[0]  # (local tokens, V or 1)
-        if self.role == "critic":
-            stats = {"values": logits[..., 0].float()}
-        else:
-            stats = self._token_stats(
-                logits, local["labels"][0], compute_entropy, micro.meta_info.get("temperature")
-            )
+        stats = self._outputs(out.logits[0], local["labels"][0], compute_entropy, micro)  # local tokens
         return {
-            key: value.new_zeros(bs, width).masked_scatter(
-                valid,
-                sequence_parallel.gather_outputs(value, sp, self.sp_group, grad_scale=self.sp_size)[keep],
-            )
+            key: sequence_parallel.gather_outputs(value, sp, self.sp_group, grad_scale=self.sp_size)[keep]
             for key, value in stats.items()
         }
+
+    def _outputs(
+        self, logits: torch.Tensor, labels: torch.Tensor, compute_entropy: bool, micro: DataProto
+    ) -> dict[str, torch.Tensor]:
+        """The critic's values, or the log-probs (and entropy) of ``labels``, from ``logits``."""
+        if self.role == "critic":
+            return {"values": logits[..., 0].float()}
+        return self._token_stats(logits, labels, compute_entropy, micro.meta_info.get("temperature"))
 
     def _token_stats(
         self, logits: torch.Tensor, labels: torch.Tensor, compute_entropy: bool, temperature: Any
