@@ -98,12 +98,12 @@ class ParameterState:
         """Bytes of one working copy."""
         return self.host_copy.numel() * self.host_copy.element_size()
 
-    def to(self, device: torch.device, *, non_blocking: bool = False) -> torch.Tensor:
+    def to(self, device: torch.device) -> torch.Tensor:
         """Bring the working copy onto ``device`` (a separate allocation, also on a CPU device); the
         module's parameter points at it. Returns the device copy."""
         if self.device_copy is None:
             copy = torch.empty_like(self.host_copy, device=device)  # allocated on the current stream
-            copy.copy_(self.host_copy, non_blocking=non_blocking)
+            copy.copy_(self.host_copy)
             self.device_copy = copy
         self.param.data = self.device_copy
         return self.device_copy
@@ -396,9 +396,6 @@ class OffloadEngine(TrainingEngine):
     def _optimizer_params(self) -> list[torch.Tensor]:
         return [state.master for state in self._states.values() if state.trainable]
 
-    def _all_states(self) -> Iterator[ParameterState]:
-        return iter(self._states.values())
-
     # ---------------------------------------------------------------- residency and accounting
 
     def _count(self, delta: int) -> None:
@@ -434,7 +431,7 @@ class OffloadEngine(TrainingEngine):
     def host_bytes(self) -> dict[str, int]:
         """Bytes of this engine's host state: FP32 masters, gradient accumulators, low-precision
         host copies (none when the working dtype is float32) and optimizer state."""
-        states = list(self._all_states())
+        states = list(self._states.values())
         optimizer = [] if self.optimizer is None else list(self.optimizer.state.values())
         return {
             "masters": sum(_nbytes(state.master) for state in states),
@@ -544,12 +541,12 @@ class OffloadEngine(TrainingEngine):
         return super().optimizer_step()
 
     def _after_optimizer_step(self) -> None:
-        for state in self._all_states():
+        for state in self._states.values():
             state.refresh()
 
     def zero_grad(self) -> None:
         self._drain()
-        for state in self._all_states():
+        for state in self._states.values():
             state.zero_grad()
 
     def _compute_context(self) -> contextlib.AbstractContextManager:
@@ -575,7 +572,7 @@ class OffloadEngine(TrainingEngine):
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """The module's state dict with every parameter's FP32 master in place of its working copy."""
-        by_tensor = {id(state.param): state.master for state in self._all_states()}
+        by_tensor = {id(state.param): state.master for state in self._states.values()}
         named = dict(self.model.named_parameters(remove_duplicate=False))
         state_dict = {}
         for name, tensor in self.model.state_dict().items():
@@ -594,7 +591,7 @@ class OffloadEngine(TrainingEngine):
                         f"{tuple(mine[name].shape)}."
                     )
                 mine[name].copy_(tensor)
-        for param_state in self._all_states():
+        for param_state in self._states.values():
             param_state.refresh()
 
     def _rng_state(self) -> tuple[torch.Tensor, Any]:
