@@ -41,6 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer_checkpoints import assert_identical
 
 from trellis.checkpoint.training import (
     MANIFEST,
@@ -169,22 +170,6 @@ def latest_step(root: Path) -> int | None:
     saved = load_rank_file(latest, 0, part="trainer")["trainer"]["step"]
     assert latest.endswith(f"global_step_{saved}") and manifest["step"] == saved
     return saved
-
-
-def assert_identical(a, b, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for key in a:
-            assert_identical(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def test_killed_ray_runs_resume_bit_identically(tmp_path, ray_tmp, runs):

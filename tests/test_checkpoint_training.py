@@ -319,6 +319,26 @@ def test_fsspec_root(tmp_path, scheme, tiny_model_path):
             fsspec.filesystem("memory").rm(root.removeprefix("memory:/"), recursive=True)
 
 
+def in_two_ranks(barrier: threading.Barrier, work) -> None:
+    """Run ``work(rank)`` for ranks 0 and 1 in threads sharing ``barrier``; a failing rank aborts the
+    barrier (so its peer does not wait) and the test fails with what it raised."""
+    errors: list[BaseException] = []
+
+    def run(rank):
+        try:
+            work(rank)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+
+
 def test_ranks_write_their_own_files(tmp_path):
     """Two ranks (threads sharing a barrier) save together; each loads its own states back."""
     barrier = threading.Barrier(2, timeout=30)
@@ -326,22 +346,12 @@ def test_ranks_write_their_own_files(tmp_path):
         CheckpointManager(tmp_path, max_to_keep=1, rank=rank, world_size=2, barrier=barrier.wait)
         for rank in (0, 1)
     ]
-    errors: list[BaseException] = []
 
     def work(rank):
-        try:
-            for step in (1, 2):
-                managers[rank].save(step, states(10 * step + rank))
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-            barrier.abort()
+        for step in (1, 2):
+            managers[rank].save(step, states(10 * step + rank))
 
-    threads = [threading.Thread(target=work, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    in_two_ranks(barrier, work)
     folder = tmp_path / "global_step_2"
     assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, "rank_0.pt", "rank_1.pt"]
     assert managers[0].steps() == [2]
@@ -563,22 +573,12 @@ def test_a_checkpoint_without_parts_reads_as_every_part(tmp_path):
     """A checkpoint of save() (and of a Trellis before parts): each rank's file holds every state, and
     a part's shard of rank R is that file; its world size is every part's number of ranks."""
     barrier = threading.Barrier(2, timeout=30)
-    errors: list[BaseException] = []
 
     def work(rank):
-        try:
-            manager = CheckpointManager(tmp_path, rank=rank, world_size=2, barrier=barrier.wait)
-            manager.save(4, {**states(40 + rank), "critic": {"model": {}, "global_step": rank}})
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-            barrier.abort()
+        manager = CheckpointManager(tmp_path, rank=rank, world_size=2, barrier=barrier.wait)
+        manager.save(4, {**states(40 + rank), "critic": {"model": {}, "global_step": rank}})
 
-    threads = [threading.Thread(target=work, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    in_two_ranks(barrier, work)
     folder = tmp_path / "global_step_4"
     manifest = json.loads((folder / MANIFEST).read_text())
     assert (manifest["version"], manifest["world_size"]) == (1, 2) and "parts" not in manifest

@@ -48,8 +48,11 @@ def shards(ckpt) -> dict:
 
 
 def assert_identical(a, b, where: str = "") -> None:
+    """``a`` and ``b`` equal to the last bit: nested dicts, lists and tuples, tensors of the same dtype
+    and shape, everything else by ``==``; ``where`` names the first difference."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
     elif isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
         for key in a:
