@@ -105,7 +105,7 @@ class WeightSyncManager:
             if not isinstance(engine, str):  # a CheckpointEngineConfig (or anything shaped like one)
                 if bucket_megabytes is None:
                     bucket_megabytes = engine.update_weights_bucket_megabytes
-                engine = engine.name
+                engine = engine.name or "naive"  # null outside a run's config: the in-process engine
             self.engine_class = checkpoint_engines.get(engine)
         self.engine_kwargs: dict[str, Any] = {
             "bucket_megabytes": (
@@ -166,18 +166,23 @@ class WeightSyncManager:
         await engine.send_weights(counted)
         return SyncStats(counted.tensors, counted.bytes, time.perf_counter() - start)
 
-    async def receive(self, engine: CheckpointEngine, replicas: Any, *, wake_up: bool = True) -> SyncStats:
+    async def receive(
+        self, engine: CheckpointEngine, replicas: Any, *, wake_up: bool = True, version: int | None = None
+    ) -> SyncStats:
         """The rollout's half of one step: wake ``replicas`` up, load every bucket, resume them.
 
         Each replica's ``update_weights`` is called once per bucket with that bucket's
         ``(name, tensor)`` pairs (a bucket holds up to ``bucket_megabytes`` of tensors, or one
-        larger tensor). Replicas that define an async ``resume()`` (backends that restore
-        serving separately from weights) have it awaited at the end.
+        larger tensor), between its ``begin_weight_update()`` and ``end_weight_update(version)``
+        (replicas that have them: generation in flight waits, or is interrupted, meanwhile).
+        Replicas that define an async ``resume()`` (backends that restore serving separately from
+        weights) have it awaited at the end.
 
         Args:
             engine: a connected receiving engine.
             replicas: one :class:`~trellis.rollout.RolloutReplica` or a sequence of them.
             wake_up: await each replica's ``wake_up()`` first.
+            version: the policy version the weights are (None: each replica counts one more).
         """
         replicas = _as_list(replicas)
         start = time.perf_counter()
@@ -185,11 +190,26 @@ class WeightSyncManager:
             await asyncio.gather(*(replica.wake_up() for replica in replicas))
         tensors = total = 0
         limit = self.bucket_bytes
-        async with contextlib.aclosing(_group_by_bytes(engine.receive_weights(), limit)) as buckets:
-            async for bucket in buckets:
-                await asyncio.gather(*(replica.update_weights(bucket) for replica in replicas))
-                tensors += len(bucket)
-                total += sum(t.numel() * t.element_size() for _, t in bucket)
+        await asyncio.gather(*(_hook(replica, "begin_weight_update") for replica in replicas))
+        loaded = False
+        try:
+            async with contextlib.aclosing(_group_by_bytes(engine.receive_weights(), limit)) as buckets:
+                async for bucket in buckets:
+                    await asyncio.gather(*(replica.update_weights(bucket) for replica in replicas))
+                    tensors += len(bucket)
+                    total += sum(t.numel() * t.element_size() for _, t in bucket)
+            loaded = True
+        finally:  # a failed load releases held generation too, its version unchanged
+            await asyncio.gather(
+                *(
+                    _hook(
+                        replica,
+                        "end_weight_update",
+                        version if loaded else getattr(replica, "weight_version", 0),
+                    )
+                    for replica in replicas
+                )
+            )
         for replica in replicas:
             resume = getattr(replica, "resume", None)
             if resume is not None:
@@ -198,7 +218,9 @@ class WeightSyncManager:
 
     # ---------------------------------------------------------------- same process
 
-    async def sync(self, named_tensors: NamedTensors, replicas: Any, *, wake_up: bool = True) -> SyncStats:
+    async def sync(
+        self, named_tensors: NamedTensors, replicas: Any, *, wake_up: bool = True, version: int | None = None
+    ) -> SyncStats:
         """One step in one process: stream ``named_tensors`` into every replica of ``replicas``.
 
         Runs :meth:`send` and :meth:`receive` concurrently over a sender/receiver pair made on the
@@ -213,7 +235,7 @@ class WeightSyncManager:
         sending = asyncio.ensure_future(self.send(sender, named_tensors))
         errors: list[BaseException] = []
         try:
-            stats = await self.receive(receiver, replicas, wake_up=wake_up)
+            stats = await self.receive(receiver, replicas, wake_up=wake_up, version=version)
         except BaseException as received_error:
             errors.append(received_error)
         if errors:
@@ -300,3 +322,10 @@ async def _group_by_bytes(
                 bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+async def _hook(replica: Any, name: str, *args: Any) -> None:
+    """Await ``replica.<name>(*args)`` when the replica has it (plain objects used as replicas may not)."""
+    hook = getattr(replica, name, None)
+    if hook is not None:
+        await hook(*args)

@@ -27,6 +27,8 @@ Output ``DataProto`` (``bs`` samples, ``P`` longest prompt, ``R`` longest respon
   padding — losses and advantages use it;
 - ``rollout_log_probs`` (bs, R) float32, when the sampling params asked for log-probs (0 off the
   mask);
+- ``rollout_weight_versions`` (bs, R) int64, when every loop returned ``response_versions``: the
+  policy version that generated each token (-1 off the mask); the async trainer's staleness;
 - ``rm_scores`` (bs, R): when every loop returned a ``reward``, on the sample's last model token;
 - ``tool_rewards`` (bs,) float32: what each sample's tools rewarded (step rewards plus ``calc_reward``
   at the end; 0 without tools). The score stage adds it, weighted by ``reward.tool_reward_weight``;
@@ -78,6 +80,8 @@ class AgentLoopOutput:
         tool_reward: the rewards the sample's tools gave (step rewards and ``calc_reward``), which the
             score stage adds to its reward (weighted by ``reward.tool_reward_weight``).
         extra: anything else to keep per sample (becomes a non-tensor column when every sample has it).
+        response_versions: per response token, the policy version of the weights that generated it
+            (``TokenOutput.weight_versions``; -1 on tool tokens), or None when the replica does not say.
     """
 
     prompt_ids: list[int]
@@ -89,6 +93,7 @@ class AgentLoopOutput:
     reward: float | None = None
     tool_reward: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    response_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -104,6 +109,11 @@ class AgentLoopOutput:
             raise ValueError(
                 f"AgentLoopOutput: response_logprobs has {len(self.response_logprobs)} entries for "
                 f"{len(self.response_ids)} response tokens; give one per token (0.0 on tool tokens)."
+            )
+        if self.response_versions is not None and len(self.response_versions) != len(self.response_ids):
+            raise ValueError(
+                f"AgentLoopOutput: response_versions has {len(self.response_versions)} entries for "
+                f"{len(self.response_ids)} response tokens; give one per token (-1 on tool tokens)."
             )
 
 
@@ -397,6 +407,15 @@ class AgentLoopManager:
                 if o.response_logprobs is not None:
                     logprobs[i, :r] = torch.tensor(o.response_logprobs, dtype=torch.float32)
         logprobs *= response_mask
+        with_versions = bool(outputs) and all(o.response_versions is not None for o in outputs)
+        if with_versions:
+            versions = torch.full((size, response_len), -1, dtype=torch.long)
+            for i, o in enumerate(outputs):
+                if o.response_versions:
+                    versions[i, : len(o.response_versions)] = torch.tensor(
+                        o.response_versions, dtype=torch.long
+                    )
+            versions = versions.masked_fill(response_mask == 0, -1)
         attention_mask = torch.cat([prompt_attn, response_attn], dim=1)
         tensors: dict[str, torch.Tensor] = {
             "prompts": prompt_ids,
@@ -408,6 +427,8 @@ class AgentLoopManager:
         }
         if with_logprobs:
             tensors["rollout_log_probs"] = logprobs
+        if with_versions:
+            tensors["rollout_weight_versions"] = versions
         tensors["tool_rewards"] = torch.tensor([float(o.tool_reward) for o in outputs], dtype=torch.float32)
         rewards = [o.reward for o in outputs]
         given = [r for r in rewards if r is not None]

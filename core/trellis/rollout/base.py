@@ -10,6 +10,14 @@ through its lifecycle::
     await replica.update_weights(engine.iter_full_params())
     await replica.wake_up()
 
+Weight versions. ``weight_version`` counts the policy updates the replica's weights hold (0: the
+initial weights). An update that may run while requests are in flight (``trainer.mode=async``) is
+bracketed by :meth:`RolloutReplica.begin_weight_update` and :meth:`RolloutReplica.end_weight_update`
+(the checkpoint engine's receiving half calls them around the buckets): no token is generated with
+half-loaded weights, and every token is stamped with the version that produced it
+(``TokenOutput.weight_versions``). With ``rollout.partial_rollout`` the backend interrupts the
+requests in flight at ``begin`` and resumes the same sequences with the new weights after ``end``.
+
 Modes (``rollout.mode``):
 
 - ``hybrid``: the replica lives in a training worker's process and shares its weights; the
@@ -49,6 +57,8 @@ class RolloutReplica(abc.ABC):
         self.model_config = model_config
         self.mode: str | None = None
         self.asleep = False  # between sleep() and wake_up(); generate refuses to run then
+        self.weight_version = 0
+        """The policy version of the served weights (set by :meth:`end_weight_update`)."""
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -115,6 +125,20 @@ class RolloutReplica(abc.ABC):
     @abc.abstractmethod
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load ``(name, tensor)`` pairs (Hugging Face parameter names) into the served model in place."""
+
+    async def begin_weight_update(self) -> None:
+        """Called once before the buckets of one weight update arrive (:meth:`update_weights` calls).
+
+        Backends that serve while training runs hold generation here until :meth:`end_weight_update`
+        (and, with ``rollout.partial_rollout``, interrupt the requests in flight, to resume them with
+        the new weights). The default does nothing: the caller does not generate during the update.
+        """
+        return None
+
+    async def end_weight_update(self, version: int | None = None) -> None:
+        """Called once after the last bucket: the weights are now policy version ``version`` (None:
+        one more than before). Generation held by :meth:`begin_weight_update` continues."""
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
 
     @property
     def server_address(self) -> str | None:

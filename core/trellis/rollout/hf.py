@@ -51,6 +51,28 @@ rule of thumb; set ``cpu_threads`` to override it. ``torch.set_num_threads`` set
 thread's OpenMP and MKL counts and the process-wide default that threads started later read;
 the replica restores that default after each batch.
 
+Weight updates and versions. Every batch and every weight load hold the replica's lock, and a
+batch reads ``weight_version`` under it: each returned token carries the version of the weights
+that generated it (``TokenOutput.weight_versions``). :meth:`~HFRolloutReplica.begin_weight_update`
+takes the lock and :meth:`~HFRolloutReplica.end_weight_update` sets the version, then releases it,
+so no batch runs between the buckets of one update; ``update_weights`` called in between loads
+without locking again (called alone, it takes the lock itself and waits for the batch in flight).
+Without ``rollout.partial_rollout``, ``begin`` waits for the batch in flight to finish with the
+old weights.
+
+Partial rollout (``rollout.partial_rollout``). ``begin`` first sets an event that an extra stopping
+criterion checks after each decoding step, so the batch in flight stops after its current token.
+Its rows that met a stop or their ``max_tokens`` resolve as usual; the others wait, ahead of the
+queue, for the first batch after the update, which resumes each from its prompt plus its tokens so
+far, with ``max_tokens`` less those tokens, under the new weights and version. The caller gets one
+``TokenOutput`` for the whole response: the segments' tokens, log-probs and versions concatenated,
+the last segment's stop reason. A seeded row resuming at token ``o`` reads its stream from number
+``o`` on, so an update that leaves the weights as they were leaves the tokens as they were; stop
+strings are looked for in the decoded whole response. A batch that gets the lock while an update
+waits for it (it queued for the lock before the update began) does not start: its requests wait
+for the update as well. ``shutdown`` aborts the requests waiting to resume with the queued ones
+(``stop_reason="abort"``, no tokens, even for one interrupted after some).
+
 Modes on this backend: ``hybrid`` serves the model object the caller passes (the training
 worker's own weights); ``colocated`` and ``standalone`` both load a private copy from
 ``model_config.path`` into this process (there is no separate server process).
@@ -62,9 +84,12 @@ worker's own weights); ``colocated`` and ``standalone`` both load a private copy
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import gc
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,16 +127,45 @@ _NEUTRAL_LOGITS_SETTINGS: dict[str, Any] = {
 
 @dataclass
 class _Request:
+    """One queued request; after an interruption (partial rollout), also what it generated so far."""
+
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
     future: asyncio.Future = field(repr=False)
+    prefix_ids: list[int] = field(default_factory=list)  # tokens of the interrupted segments
+    prefix_log_probs: list[float] = field(default_factory=list)  # their log-probs, when asked for
+    prefix_versions: list[int] = field(default_factory=list)  # their weight versions
+
+    def segment_params(self) -> SamplingParams:
+        """The params of the next segment: ``max_tokens`` less the tokens already generated."""
+        if not self.prefix_ids:
+            return self.params
+        return dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(self.prefix_ids))
+
+    def extend(self, segment: TokenOutput) -> None:
+        """Append an interrupted segment to the prefix."""
+        self.prefix_ids += segment.token_ids
+        self.prefix_log_probs += segment.log_probs or []
+        self.prefix_versions += segment.weight_versions or []
+
+    def finish(self, segment: TokenOutput) -> TokenOutput:
+        """The whole response: the prefix, then the last segment (whose stop reason it takes)."""
+        if not self.prefix_ids:
+            return segment
+        return TokenOutput(
+            self.prefix_ids + segment.token_ids,
+            None if segment.log_probs is None else self.prefix_log_probs + segment.log_probs,
+            segment.stop_reason,
+            weight_versions=self.prefix_versions + (segment.weight_versions or []),
+        )
 
 
 class HFRolloutReplica(RolloutReplica):
     """Generation with transformers ``model.generate``, batching concurrent requests; runs anywhere.
 
-    See the module docstring for batching, per-row sampling, log-probs and modes.
+    See the module docstring for batching, per-row sampling, log-probs, weight updates (versions,
+    partial rollout) and modes.
     ``sleep`` on an accelerator moves a private copy's weights to the CPU (hybrid: only frees
     the allocator cache, since the weights belong to training); on the CPU there is no cache to
     free, so it only marks the replica asleep. ``generate`` while asleep raises RuntimeError.
@@ -130,14 +184,24 @@ class HFRolloutReplica(RolloutReplica):
         ):
             raise ValueError(f'engine_kwargs.cpu_threads must be "auto" or an int >= 1, got {cpu_threads!r}.')
         self.cpu_threads: int | str = cpu_threads
+        partial = _setting(rollout_config, RolloutConfig, "partial_rollout")
+        if not isinstance(partial, bool):
+            raise ValueError(f"rollout.partial_rollout must be true or false, got {partial!r}.")
+        self.partial_rollout = partial
         self.model: Any = None
         self.tokenizer: Any = None
         self.device: Any = None
         self.generate_calls = 0  # batched model.generate calls so far (tests and benchmarks read it)
         self._queue: asyncio.Queue[_Request] | None = None
+        # interrupted requests (partial rollout): the next batches take them before the queue
+        self._resume: collections.deque[_Request] = collections.deque()
         self._worker: asyncio.Task | None = None
         self._lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
+        # the lock held by the weight update in progress (begin_weight_update to end_weight_update)
+        self._update_lock: asyncio.Lock | None = None
+        self._updates_waiting = 0  # begin_weight_update calls not yet ended
+        self._interrupt = threading.Event()  # partial rollout: set while an update waits or loads
         self._generator: Any = None
         self._num_params = 0  # set by init; cpu_threads="auto" reads it
 
@@ -220,7 +284,7 @@ class HFRolloutReplica(RolloutReplica):
         )
 
     async def sleep(self) -> None:
-        async with self._get_lock():
+        async with self._exclusive():
             import torch
 
             if self._offloads:
@@ -231,7 +295,7 @@ class HFRolloutReplica(RolloutReplica):
             self.asleep = True
 
     async def wake_up(self) -> None:
-        async with self._get_lock():
+        async with self._exclusive():
             if self._offloads:
                 self.model.to(self.device)
             self.asleep = False
@@ -239,13 +303,16 @@ class HFRolloutReplica(RolloutReplica):
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Copy each ``(name, tensor)`` into the parameter or buffer of that HF name, in place.
 
+        Between :meth:`begin_weight_update` and :meth:`end_weight_update` it loads at once (the
+        update holds the replica's lock); called alone, it waits for the batch in flight.
+
         Raises:
             KeyError: a name the model does not have (the message lists a few it has).
             ValueError: a tensor whose shape differs from the parameter's.
         """
         import torch
 
-        async with self._get_lock():
+        async with self._exclusive():
             targets = dict(self.model.named_parameters(remove_duplicate=False))
             targets.update(dict(self.model.named_buffers(remove_duplicate=False)))
             with torch.no_grad():
@@ -263,15 +330,63 @@ class HFRolloutReplica(RolloutReplica):
                         )
                     target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
+    async def begin_weight_update(self) -> None:
+        """Hold generation until :meth:`end_weight_update`: returns once no batch runs.
+
+        Without ``partial_rollout`` the batch in flight first finishes with the old weights; with
+        it, the batch stops after its current step and its unfinished rows wait to resume.
+        """
+        lock = self._get_lock()
+        self._updates_waiting += 1
+        if self.partial_rollout:
+            self._interrupt.set()
+        try:
+            await lock.acquire()
+        except BaseException:  # cancelled while waiting: this update never began
+            self._end_waiting()
+            raise
+        self._update_lock = lock
+
+    async def end_weight_update(self, version: int | None = None) -> None:
+        """Set :attr:`weight_version` (``version``, or one more when None) and let generation go on.
+
+        Without a :meth:`begin_weight_update` before it, it only sets the version.
+        """
+        lock, self._update_lock = self._update_lock, None
+        try:
+            await super().end_weight_update(version)
+        finally:
+            if lock is not None:
+                self._end_waiting()
+                lock.release()
+
+    def _end_waiting(self) -> None:
+        self._updates_waiting -= 1
+        if self._updates_waiting == 0:
+            self._interrupt.clear()  # later batches run to the end again
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """Hold the replica's lock for the block, unless a weight update already holds it."""
+        if self._update_lock is not None:
+            yield
+            return
+        async with self._get_lock():
+            yield
+
     async def shutdown(self) -> None:
-        """Stop the batching task; requests still queued resolve with ``stop_reason="abort"``."""
+        """Stop the batching task; requests still queued or waiting to resume resolve with
+        ``stop_reason="abort"``."""
         if self._worker is not None:
             self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
             self._worker = None
+        waiting = list(self._resume)
+        self._resume.clear()
         while self._queue is not None and not self._queue.empty():
-            req = self._queue.get_nowait()
+            waiting.append(self._queue.get_nowait())
+        for req in waiting:
             if not req.future.done():
                 req.future.set_result(_aborted(req))
 
@@ -290,6 +405,7 @@ class HFRolloutReplica(RolloutReplica):
         if self._queue is None or worker is None or worker.done() or worker.get_loop() is not loop:
             # first request, or the replica moved to another event loop (e.g. a later asyncio.run)
             self._queue = asyncio.Queue()
+            self._resume = collections.deque()
             self._worker = loop.create_task(self._batch_loop())
         req = _Request(prompt_ids, sampling_params, request_id, loop.create_future())
         await self._queue.put(req)
@@ -303,16 +419,32 @@ class HFRolloutReplica(RolloutReplica):
         return self._lock
 
     async def _batch_loop(self) -> None:
-        assert self._queue is not None  # set by generate before the task starts
+        queue, resume = self._queue, self._resume
+        assert queue is not None  # set by generate before the task starts
         while True:
-            batch = [await self._queue.get()]
-            if self.batch_wait_s > 0:
-                await asyncio.sleep(self.batch_wait_s)  # let requests issued together join
-            while len(batch) < self.max_batch_size and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            batch: list[_Request] = []
+            outputs: list[tuple[TokenOutput, bool]] = []
             try:
+                if not resume:  # only this task re-queues, so none can appear while it waits here
+                    batch.append(await queue.get())
+                    if self.batch_wait_s > 0:
+                        await asyncio.sleep(self.batch_wait_s)  # let requests issued together join
                 async with self._get_lock():
-                    outputs = await asyncio.to_thread(self._run_batch, batch)
+                    held_back = self._interrupt.is_set()  # partial rollout: an update waits to load
+                    if held_back:
+                        resume.extendleft(reversed(batch))
+                        batch = []
+                    else:
+                        # interrupted requests first, then new ones (those that came during an update too)
+                        while len(batch) < self.max_batch_size and resume:
+                            batch.append(resume.popleft())
+                        while len(batch) < self.max_batch_size and not queue.empty():
+                            batch.append(queue.get_nowait())
+                        version = self.weight_version  # read under the lock: the version of these weights
+                        outputs = await asyncio.to_thread(self._run_batch, batch, version)
+                if held_back:  # the update queued for the lock first, so it gets it now
+                    await asyncio.sleep(0)  # (yields even if that update waits on another loop's lock)
+                    continue
             except asyncio.CancelledError:  # shutdown: the batch taken but not served is aborted
                 for req in batch:
                     if not req.future.done():
@@ -323,9 +455,14 @@ class HFRolloutReplica(RolloutReplica):
                     if not req.future.done():
                         req.future.set_exception(exc)
                 continue
-            for req, out in zip(batch, outputs, strict=True):
-                if not req.future.done():
-                    req.future.set_result(out)
+            for req, (segment, finished) in zip(batch, outputs, strict=True):
+                if req.future.done():  # the caller gave up (cancelled): nothing to resume
+                    continue
+                if finished:
+                    req.future.set_result(req.finish(segment))
+                else:  # interrupted by a weight update: resumes in the next batch, with the new weights
+                    req.extend(segment)
+                    resume.append(req)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -360,34 +497,47 @@ class HFRolloutReplica(RolloutReplica):
             return 1 if self._num_params < AUTO_SINGLE_THREAD_PARAMS else None
         return int(self.cpu_threads)
 
-    def _run_batch(self, batch: list[_Request]) -> list[TokenOutput]:
-        """One ``model.generate`` over ``batch`` (blocking; runs in a worker thread)."""
+    def _run_batch(self, batch: list[_Request], version: int = 0) -> list[tuple[TokenOutput, bool]]:
+        """One ``model.generate`` over ``batch`` (blocking; runs in a worker thread).
+
+        A request that resumes after an interruption generates its next segment from its prompt
+        and prefix, with ``max_tokens`` less the prefix. Returns per request the segment generated
+        here (every token stamped ``version``) and whether the response is finished; it is not when
+        a weight update interrupted the batch before the row met a stop or its ``max_tokens``.
+        """
         import torch
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         self.generate_calls += 1
         eos = self._eos_ids()
         pad = self._pad_id()
-        width = max(len(r.prompt_ids) for r in batch)
+        contexts = [r.prompt_ids + r.prefix_ids for r in batch]
+        prefixes = [r.prefix_ids for r in batch]
+        width = max(len(c) for c in contexts)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
         attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, r in enumerate(batch):  # left padding: every prompt ends at column width - 1
-            input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            attention[i, width - len(r.prompt_ids) :] = 1
-        params = [r.params for r in batch]
+        for i, c in enumerate(contexts):  # left padding: every prompt ends at column width - 1
+            input_ids[i, width - len(c) :] = torch.tensor(c)
+            attention[i, width - len(c) :] = 1
+        params = [r.segment_params() for r in batch]
         stops = [eos | set(p.stop_token_ids) for p in params]
         steps = max(p.max_tokens for p in params)
         sampler: _RowSampler | None = None
         processors = LogitsProcessorList()
         if not all(p.greedy for p in params) or any(p.wants_logprobs for p in params):
-            sampler = _RowSampler(params, self._generator, steps, self.device)
+            offsets = [len(prefix) for prefix in prefixes]
+            sampler = _RowSampler(params, self._generator, steps, self.device, offsets=offsets)
             processors.append(sampler)
         criteria = StoppingCriteriaList()
         if _uniform_stopping(params):  # generate's own eos + max_new_tokens check is exact here
             eos_ids = stops[0]
         else:
             eos_ids = eos
-            criteria.append(_RowStopper(params, stops, width, self.tokenizer, self.device))
+            criteria.append(_RowStopper(params, stops, width, self.tokenizer, self.device, prefixes))
+        interrupt: _Interrupt | None = None
+        if self.partial_rollout:
+            interrupt = _Interrupt(self._interrupt)
+            criteria.append(interrupt)
         config = GenerationConfig(
             max_new_tokens=steps,
             do_sample=False,  # the sampler already chose each token; greedy picks its choice
@@ -416,6 +566,7 @@ class HFRolloutReplica(RolloutReplica):
             if sampler is not None and sampler.log_probs is not None
             else None
         )
+        interrupted = interrupt is not None and interrupt.fired
         results = []
         for i, p in enumerate(params):
             row = new[i].tolist()
@@ -425,18 +576,20 @@ class HFRolloutReplica(RolloutReplica):
                 if tok in stops[i]:
                     n, reason = t + 1, "stop"
                     break
-            if p.stop:
-                cut = _stop_string_cut(self.tokenizer, row[:n], p.stop)
+            if p.stop:  # on the whole response: a stop string may span the prefix and this segment
+                prefix = prefixes[i]
+                cut = _stop_string_cut(self.tokenizer, prefix + row[:n], p.stop, start=len(prefix))
                 if cut is not None:
-                    n, reason = cut, "stop"
+                    n, reason = cut - len(prefix), "stop"
             tokens = row[:n]
             log_probs = token_lp[i, :n].tolist() if p.wants_logprobs and token_lp is not None else None
-            results.append(TokenOutput(tokens, log_probs, reason))
+            finished = not (interrupted and reason == "length" and n < p.max_tokens)
+            results.append((TokenOutput(tokens, log_probs, reason, weight_versions=[version] * n), finished))
         return results
 
 
 def _aborted(req: _Request) -> TokenOutput:
-    return TokenOutput([], [] if req.params.wants_logprobs else None, "abort")
+    return TokenOutput([], [] if req.params.wants_logprobs else None, "abort", weight_versions=[])
 
 
 def _neutral_overrides(model: Any) -> dict[str, Any]:
@@ -478,9 +631,13 @@ def _torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _stop_string_cut(tokenizer: Any, tokens: list[int], stop: tuple[str, ...]) -> int | None:
-    """Number of tokens up to and including the first one whose decoded prefix contains a stop string."""
-    for n in range(1, len(tokens) + 1):
+def _stop_string_cut(tokenizer: Any, tokens: list[int], stop: tuple[str, ...], start: int = 0) -> int | None:
+    """Number of tokens up to and including the first one whose decoded prefix contains a stop string.
+
+    Only cuts after the first ``start`` tokens are looked at (a resumed response's prefix, already
+    checked).
+    """
+    for n in range(start + 1, len(tokens) + 1):
         text = tokenizer.decode(tokens[:n], skip_special_tokens=False)
         if any(s in text for s in stop):
             return n
@@ -500,7 +657,14 @@ class _RowSampler:
             row asked for log-probs.
     """
 
-    def __init__(self, params: list[SamplingParams], generator: Any, steps: int, device: Any) -> None:
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        generator: Any,
+        steps: int,
+        device: Any,
+        offsets: list[int] | None = None,
+    ) -> None:
         import torch
 
         self.step = 0
@@ -521,15 +685,18 @@ class _RowSampler:
             [params[i].top_p if params[i].top_p < 1 else float("inf") for i in filtered], device=device
         )[:, None]
         # One uniform per row and step, drawn now: a seeded row from its own stream, so its t-th
-        # token always uses the t-th number of torch.Generator(seed), whatever the batch.
+        # token always uses the t-th number of torch.Generator(seed), whatever the batch. A row
+        # resuming at token offsets[i] (partial rollout) starts at that number of its stream.
         uniforms = torch.zeros((len(params), steps), dtype=torch.float64)
         unseeded = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
         if unseeded:
             uniforms[unseeded] = torch.rand((len(unseeded), steps), generator=generator, dtype=torch.float64)
         for i, p in enumerate(params):
             if not p.greedy and p.seed is not None:
+                offset = offsets[i] if offsets is not None else 0
                 row_generator = torch.Generator(device="cpu").manual_seed(p.seed)
-                uniforms[i] = torch.rand(steps, generator=row_generator, dtype=torch.float64)
+                stream = torch.rand(offset + steps, generator=row_generator, dtype=torch.float64)
+                uniforms[i] = stream[offset:]
         # u < 1 - 2**-52 keeps u * total strictly below the total mass in float64 rounding, so the
         # inverse-CDF search never runs past the last token of positive probability
         self.uniforms = uniforms.clamp_(max=1 - 2**-52).to(device)
@@ -581,7 +748,11 @@ class _RowSampler:
 
 
 class _RowStopper:
-    """Stopping criterion: a row is done at its own max_tokens, stop id or stop string."""
+    """Stopping criterion: a row is done at its own max_tokens, stop id or stop string.
+
+    ``prefixes`` (partial rollout) are the tokens a resumed row generated before this batch: its
+    stop strings are looked for in the decoded prefix and new tokens together.
+    """
 
     def __init__(
         self,
@@ -590,10 +761,12 @@ class _RowStopper:
         prompt_width: int,
         tokenizer: Any,
         device: Any,
+        prefixes: list[list[int]] | None = None,
     ) -> None:
         import torch
 
         self.params = params
+        self.prefixes = prefixes if prefixes is not None else [[] for _ in params]
         self.width = prompt_width
         self.tokenizer = tokenizer
         self.max_tokens = torch.tensor([p.max_tokens for p in params], device=device)
@@ -613,7 +786,24 @@ class _RowStopper:
             done |= torch.zeros_like(self.max_tokens).index_add_(0, self.stop_rows, hit) > 0
         for i in self.string_rows:
             if not done[i]:
-                text = self.tokenizer.decode(input_ids[i, self.width :].tolist(), skip_special_tokens=False)
+                tokens = self.prefixes[i] + input_ids[i, self.width :].tolist()
+                text = self.tokenizer.decode(tokens, skip_special_tokens=False)
                 if any(s in text for s in self.params[i].stop):
                     done[i] = True
         return done
+
+
+class _Interrupt:
+    """Stopping criterion (partial rollout): every row is done once ``event`` is set (a weight update
+    waits); ``fired`` records that it ended the batch."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+        self.fired = False
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if self.event.is_set():
+            self.fired = True
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)

@@ -86,6 +86,10 @@ class ReplicaActor:
         """This process's id (a health check that the actor answers)."""
         return os.getpid()
 
+    async def weight_version(self) -> int:
+        """The policy version of the replica's weights."""
+        return int(self.replica.weight_version)
+
     async def connect_weight_sync(self, kwargs: dict[str, Any]) -> None:
         """Join the weight-sync group as a receiver, with the kwargs the trainer's plan gave this rank.
 
@@ -102,8 +106,10 @@ class ReplicaActor:
             raise
         self._engine = engine
 
-    async def receive_weights(self) -> dict[str, float]:
-        """The receiving half of one weight sync: wake the replica, load every bucket, resume it.
+    async def receive_weights(self, version: int | None = None) -> dict[str, float]:
+        """The receiving half of one weight sync: wake the replica, load every bucket (policy version
+        ``version``), resume it. Generation in flight waits, or with ``rollout.partial_rollout`` is
+        interrupted and resumed with the new weights.
 
         Returns ``{"tensors", "bytes", "seconds"}`` as loaded.
         """
@@ -112,7 +118,7 @@ class ReplicaActor:
                 f"rollout replica {self.replica_rank}: receive_weights before connect_weight_sync; the "
                 "replica manager connects the checkpoint engine first."
             )
-        stats = await self._sync.receive(self._engine, [self.replica])
+        stats = await self._sync.receive(self._engine, [self.replica], version=version)
         return {"tensors": float(stats.tensors), "bytes": float(stats.bytes), "seconds": stats.seconds}
 
     async def shutdown(self) -> None:

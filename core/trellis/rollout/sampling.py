@@ -92,9 +92,14 @@ class TokenOutput:
         stop_reason: ``"stop"`` (eos, a stop token or string), ``"length"`` (hit ``max_tokens``) or
             ``"abort"`` (the replica shut down before the request ran).
         num_preempted: times the backend preempted the request (None when it does not say).
+        weight_versions: per token, the version of the weights that generated it (see
+            :attr:`~trellis.rollout.RolloutReplica.weight_version`); several versions when a weight
+            update interrupted the request and it resumed with the new weights
+            (``rollout.partial_rollout``). None when the backend does not say.
     """
 
     token_ids: list[int]
     log_probs: list[float] | None = None
     stop_reason: StopReason = "length"
     num_preempted: int | None = field(default=None)
+    weight_versions: list[int] | None = None

@@ -22,4 +22,5 @@ class SingleTurnAgentLoop(AgentLoop):
             response_logprobs=list(out.log_probs) if out.log_probs is not None else None,
             num_turns=2,
             metrics={"agent/truncated": float(out.stop_reason == "length")},
+            response_versions=list(out.weight_versions) if out.weight_versions is not None else None,
         )

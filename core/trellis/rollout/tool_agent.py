@@ -78,6 +78,7 @@ class ToolAgentLoop(AgentLoop):
         response_ids: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
+        versions: list[int] | None = []  # None once a turn came without weight versions
         metrics: dict[str, float] = defaultdict(float)
         instances: dict[str, str] = {}
         model_turns = tool_turns = 0
@@ -90,6 +91,11 @@ class ToolAgentLoop(AgentLoop):
                 response_ids += tokens
                 mask += [1] * len(tokens)
                 logprobs += list(out.log_probs) if out.log_probs is not None else [0.0] * len(tokens)
+                versions = (
+                    versions + list(out.weight_versions)
+                    if versions is not None and out.weight_versions is not None
+                    else None
+                )
                 model_turns += 1
                 if out.stop_reason != "stop" or len(response_ids) >= budget:
                     metrics["agent/truncated"] = 1.0
@@ -112,6 +118,8 @@ class ToolAgentLoop(AgentLoop):
                 response_ids += turn
                 mask += [0] * len(turn)
                 logprobs += [0.0] * len(turn)
+                if versions is not None:
+                    versions += [-1] * len(turn)
                 tool_turns += 1
         finally:
             tool_reward = metrics["tool/step_reward"] + await self._final_rewards(instances, metrics)
@@ -125,6 +133,7 @@ class ToolAgentLoop(AgentLoop):
             num_turns=1 + model_turns + tool_turns,
             metrics=dict(metrics),
             tool_reward=tool_reward,
+            response_versions=versions,
         )
 
     async def _run_calls(
