@@ -289,24 +289,13 @@ class ReplayPool:
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         data_name = f"groups-{uuid.uuid4().hex}.pt"
-        payload = [
-            {
-                "seq": e.seq,
-                "version": e.version,
-                "priority": e.priority,
-                "group": _group_to_plain(e.group, e.seq),
-            }
-            for e in self._entries
-        ]
+        state = self.state_dict()
+        payload = state.pop("entries")
         _write_atomic(root / data_name, lambda f: torch.save(payload, f))
         manifest = {
             "format": _FORMAT_NAME,
             "format_version": FORMAT_VERSION,
-            "kind": self.kind,
-            "settings": self._settings(),
-            "counters": dict(self._counters),
-            "next_seq": self._next_seq,
-            "rng": _rng_to_json(self._rng.getstate()),
+            **state,
             "groups": len(payload),
             "files": {data_name: _sha256(root / data_name)},
         }
@@ -365,20 +354,68 @@ class ReplayPool:
                 f"Replay pool data file {path} holds {len(payload) if isinstance(payload, list) else '?'} "
                 f"groups; {MANIFEST} says {manifest['groups']}."
             )
+        return target._from_state({**manifest, "entries": payload}, str(root / MANIFEST))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole pool as plain values (what ``torch.load(weights_only=True)`` reads back): kind,
+        settings, counters, RNG state and every group. A training checkpoint stores it in the
+        trainer's shard; :meth:`from_state_dict` rebuilds the pool.
+
+        Raises:
+            ReplayPoolError: a group holds a value that is not plain (see :meth:`save`).
+        """
+        return {
+            "kind": self.kind,
+            "settings": self._settings(),
+            "counters": dict(self._counters),
+            "next_seq": self._next_seq,
+            "rng": _rng_to_json(self._rng.getstate()),
+            "entries": [
+                {
+                    "seq": e.seq,
+                    "version": e.version,
+                    "priority": e.priority,
+                    "group": _group_to_plain(e.group, e.seq),
+                }
+                for e in self._entries
+            ],
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> ReplayPool:
+        """The pool :meth:`state_dict` described, of its saved kind (resolved through the registry).
+
+        Raises:
+            ReplayPoolError: a kind that is not a registered replay pool, or settings that do not fit it.
+        """
+        from trellis.registries import replay_pools
+
+        kind = state.get("kind")
+        if not isinstance(kind, str):
+            raise ReplayPoolError(f"A saved replay pool needs its kind (a registry name), got {kind!r}.")
+        target = replay_pools.get(kind)
+        if not (isinstance(target, type) and issubclass(target, ReplayPool)):
+            raise ReplayPoolError(
+                f"A saved replay pool of kind {kind!r} resolves to {target!r}, not a ReplayPool."
+            )
+        return target._from_state(state, "the saved replay pool")
+
+    @classmethod
+    def _from_state(cls, state: dict[str, Any], where: str) -> ReplayPool:
         try:
-            pool = target(**manifest["settings"])
+            pool = cls(**state["settings"])
         except TypeError as exc:
             raise ReplayPoolError(
-                f"{root / MANIFEST}: settings {manifest['settings']!r} do not fit {kind!r}: {exc}"
+                f"{where}: settings {state['settings']!r} do not fit {state['kind']!r}: {exc}"
             ) from exc
-        for record in payload:
+        for record in state["entries"]:
             group = _group_from_plain(record["group"])
             ids = tuple(group.non_tensor_batch[pool.id_key].tolist())
             pool._entries.append(_Entry(record["seq"], group, ids, record["version"], record["priority"]))
             pool._ids.update(ids)
-        pool._next_seq = manifest["next_seq"]
-        pool._counters.update(manifest["counters"])
-        pool._rng.setstate(_rng_from_json(manifest["rng"]))
+        pool._next_seq = state["next_seq"]
+        pool._counters.update(state["counters"])
+        pool._rng.setstate(_rng_from_json(state["rng"]))
         return pool
 
 
