@@ -122,8 +122,8 @@ def wait_until_gone(marker: str, timeout: float, *, but: tuple[str, ...] = ()) -
         time.sleep(0.5)
 
 
-def launch(run_dir: Path, ray_tmp: str, log: Path, kill: str | None = None) -> tuple[subprocess.Popen, str]:
-    marker = uuid.uuid4().hex
+def run_env(marker: str, ray_tmp: str) -> dict[str, str]:
+    """The environment of one killable run: its marker, offline, one thread, its own Ray temp folder."""
     os.makedirs(f"{ray_tmp}/{marker[:8]}")
     env = {
         **os.environ,
@@ -136,6 +136,12 @@ def launch(run_dir: Path, ray_tmp: str, log: Path, kill: str | None = None) -> t
         "RAY_USAGE_STATS_ENABLED": "0",
     }
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def launch(run_dir: Path, ray_tmp: str, log: Path, kill: str | None = None) -> tuple[subprocess.Popen, str]:
+    marker = uuid.uuid4().hex
+    env = run_env(marker, ray_tmp)
     command = [sys.executable, "-u", SCRIPT, str(run_dir), "--steps", str(STEPS)]
     if kill:
         command += ["--kill", kill]

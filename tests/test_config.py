@@ -77,6 +77,8 @@ def test_null_defaults_are_derived_when_the_config_is_built():
     assert config.critic.ppo_mini_batch_size == config.actor.ppo_mini_batch_size == 8
     assert config.critic.ppo_epochs == 1
     assert config.trainer.run_dir == "runs/trellis/default"
+    assert config.rollout.checkpoint_engine.name == "naive"  # the replica lives in the training process
+    assert config.trainer.replay_capacity == (1 + 2) * 32  # (max_staleness + 2) x train_batch_size
 
     config = load_config(
         overrides=[
@@ -137,7 +139,9 @@ def test_default_dict_matches_a_built_config_except_derived_fields():
         "ref.ulysses_sequence_parallel_size",
         "rollout.max_tokens",
         "rollout.seed",
+        "rollout.checkpoint_engine",  # its name
         "trainer.run_dir",
+        "trainer.replay_capacity",
     }
 
 
@@ -895,3 +899,37 @@ def test_schema_default_is_the_declared_default():
         schema_default(ModelConfig, "nope")
     with pytest.raises(KeyError, match=r"keys at 'x': \(none: a value, not a section\)"):
         schema_default(OptimConfig, "lr.x")
+
+
+def test_overlapping_modes_derive_and_check_their_settings():
+    standalone = ["rollout.mode=standalone"]
+    assert load_config(overrides=standalone).rollout.checkpoint_engine.name == "shm"
+    several = [*standalone, "rollout.nnodes=2"]
+    assert load_config(overrides=several).rollout.checkpoint_engine.name == "gloo"
+    config = load_config(overrides=[*standalone, "trainer.mode=async", "rollout.max_staleness=3"])
+    assert config.trainer.replay_capacity == 5 * 32
+    assert load_config(overrides=[*standalone, "trainer.replay_capacity=3"]).trainer.replay_capacity == 3
+
+    def refused(*overrides):
+        with pytest.raises(ConfigValueError) as info:
+            load_config(overrides=list(overrides))
+        return str(info.value)
+
+    assert "trainer.mode" in refused("trainer.mode=async") and "rollout.mode=standalone" in refused(
+        "trainer.mode=one_step_off"
+    )
+    assert "rollout.partial_rollout" in refused(*standalone, "rollout.partial_rollout=true")
+    assert "trainer.replay_ratio" in refused(*standalone, "trainer.replay_ratio=0.5")
+    message = refused(*standalone, "trainer.mode=async", "trainer.replay_ratio=0.99")
+    assert "no fresh group" in message and "train_batch_size=32" in message
+    assert "naive" in refused(*standalone, "rollout.checkpoint_engine.name=naive")
+    assert "rollout.calculate_log_probs" in refused("algorithm.off_policy=decoupled")
+    message = refused(
+        "algorithm.off_policy=decoupled",
+        "rollout.calculate_log_probs=true",
+        "algorithm.rollout_correction.rollout_is=token",
+    )
+    assert "algorithm.rollout_correction.rollout_is" in message
+    assert "ge" in refused("rollout.max_staleness=-1") or "-1" in refused("rollout.max_staleness=-1")
+    assert "drop" in refused("rollout.stale_policy=sometimes")
+    assert "sync" in refused("trainer.mode=eventually")

@@ -53,6 +53,12 @@ LOADER = DATASET + "test_worker_processes_give_the_same_batches_and_resume"
 TRAINER = "tests/test_trainer.py::"
 WEIGHT_SYNC = "tests/test_checkpoint_sync.py::test_manager_from_config_and_overrides"
 STANDALONE = "tests/test_rollout_standalone.py::"
+ASYNC = "tests/test_trainer_async.py::"
+ASYNC_WIRING = ASYNC + "test_async_wires_its_pool_replay_and_staleness_knobs"
+DECOUPLED = ASYNC + "test_decoupled_objective_weights_tokens_by_proximal_over_behaviour"
+STREAM = "tests/test_rollout_stream.py::"
+HF_PARTIAL = "tests/test_rollout_hf_partial.py::"
+OVERLAP_CONFIG = "tests/test_config.py::test_overlapping_modes_derive_and_check_their_settings"
 
 KNOBS: dict[str, tuple[str, ...]] = {
     # ---------------------------------------------------------------- data
@@ -245,6 +251,20 @@ KNOBS: dict[str, tuple[str, ...]] = {
         STANDALONE + "test_two_fsdp_workers_two_replicas_two_agent_workers_over_gloo",
     ),
     "rollout.n": (RUN_ROLLOUT,),
+    "rollout.max_staleness": (
+        STREAM + "test_the_gate_runs_at_most_max_staleness_versions_ahead",
+        ASYNC + "test_async_with_staleness_zero_is_sync_bit_for_bit",
+        ASYNC_WIRING,
+    ),
+    "rollout.stale_policy": (
+        STREAM + "test_a_group_staler_than_the_bound_is_dropped_or_regenerated",
+        ASYNC_WIRING,
+    ),
+    "rollout.partial_rollout": (
+        HF_PARTIAL + "test_partial_rollout_resumes_the_response_with_the_new_weights",
+        HF_PARTIAL + "test_without_partial_rollout_the_update_waits_for_the_batch",
+        OVERLAP_CONFIG,
+    ),
     "rollout.temperature": (SAMPLING, RUN_ROLLOUT),
     "rollout.top_p": (SAMPLING, RUN_ROLLOUT),
     "rollout.top_k": (SAMPLING, RUN_ROLLOUT),
@@ -286,7 +306,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
         "tests/test_rollout_hf.py::test_max_batch_size_splits_batches",
         "tests/test_rollout_hf.py::test_cpu_threads_setting",
     ),
-    "rollout.checkpoint_engine.name": (WEIGHT_SYNC,),
+    "rollout.checkpoint_engine.name": (WEIGHT_SYNC, OVERLAP_CONFIG),
     "rollout.checkpoint_engine.update_weights_bucket_megabytes": (WEIGHT_SYNC,),
     # ---------------------------------------------------------------- reward
     "reward.manager": (OBJECTIVE,),
@@ -330,6 +350,15 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "algorithm.kl_ctrl.horizon": (
         OBJECTIVE,
         "tests/test_algorithms_kl.py::test_adaptive_controller_over_two_updates",
+    ),
+    "algorithm.off_policy": (
+        DECOUPLED,
+        "tests/test_algorithms_off_policy.py::test_weights_are_proximal_over_behaviour_zero_off_the_mask_and_above_the_cap",
+        OVERLAP_CONFIG,
+    ),
+    "algorithm.off_policy_cap": (
+        DECOUPLED,
+        "tests/test_algorithms_off_policy.py::test_weights_are_proximal_over_behaviour_zero_off_the_mask_and_above_the_cap",
     ),
     "algorithm.rollout_correction.rollout_is": (
         OBJECTIVE,
@@ -385,6 +414,14 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "trainer.max_actor_ckpt_to_keep": (RUN_TRAINER, "tests/test_checkpoint_training.py::test_from_config"),
     "trainer.seed": (DERIVED,),
     "trainer.log_val_generations": (TRAINER + "test_log_val_generations_sends_samples_to_every_tracker",),
+    "trainer.mode": (
+        ASYNC + "test_async_with_staleness_zero_is_sync_bit_for_bit",
+        ASYNC + "test_one_step_off_is_sync_generating_one_version_behind",
+        OVERLAP_CONFIG,
+    ),
+    "trainer.replay_pool": (ASYNC_WIRING,),
+    "trainer.replay_capacity": (ASYNC_WIRING, OVERLAP_CONFIG, DERIVED),
+    "trainer.replay_ratio": (ASYNC_WIRING, STREAM + "test_replay_draws_trained_groups_again", OVERLAP_CONFIG),
 }
 
 _ACROSS_PROCESSES = "belongs to the issue on running the trainer across processes"

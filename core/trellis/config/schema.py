@@ -476,9 +476,11 @@ class AgentConfig(BaseConfig):
 class CheckpointEngineConfig(BaseConfig):
     """How actor weights reach the rollout replicas after each step."""
 
-    name: str = knob(
-        "naive",
-        "Checkpoint engine, a name in trellis.checkpoint_engines. naive hands tensors over in-process.",
+    name: str | None = knob(
+        None,
+        "Checkpoint engine, a name in trellis.checkpoint_engines: naive (hands tensors over in-process), "
+        "shm (shared memory, one machine), gloo, nccl. null = naive for replicas in the training "
+        "process, shm for standalone replicas on one machine, gloo across machines.",
     )
     update_weights_bucket_megabytes: int = knob(
         512, "Weights travel in buckets of this many MiB: larger = fewer transfers, more peak memory.", ge=1
@@ -555,9 +557,30 @@ class RolloutConfig(BaseConfig):
     checkpoint_engine: CheckpointEngineConfig = section(
         CheckpointEngineConfig, "Weight transfer to the replicas."
     )
+    max_staleness: int = knob(
+        1,
+        "trainer.mode=async: how many policy versions a trained sample may lag the weights it is trained "
+        "on (0 = on-policy, as sync). The replicas generate at most this far ahead; groups beyond it when "
+        "drawn are handled by stale_policy.",
+        ge=0,
+    )
+    stale_policy: Literal["drop", "regenerate"] = knob(
+        "drop",
+        "trainer.mode=async: a group staler than max_staleness when drawn is dropped (counted, its prompt "
+        "not trained) or regenerated (its prompt goes back to the replicas first in line).",
+    )
+    partial_rollout: bool = knob(
+        False,
+        "trainer.mode=async: a weight update interrupts the requests in flight and the replica resumes "
+        "the same sequences with the new weights (each token keeps the version that generated it), so "
+        "a long response never holds an update back. false: the update waits for the batch in flight.",
+    )
 
     def finalize(self) -> None:
         _check_sampling(self)
+        if self.checkpoint_engine.name is None:
+            standalone, several = self.mode == "standalone", self.nnodes > 1
+            self.checkpoint_engine.name = ("gloo" if several else "shm") if standalone else "naive"
         if self.mode != "standalone":
             for key in ("nnodes", "n_devices_per_node"):
                 if getattr(self, key) != 1:
@@ -574,6 +597,14 @@ class RolloutConfig(BaseConfig):
                     "needs {p}mode=standalone: agent workers reach the replicas across processes, while "
                     "hybrid and colocated replicas live inside each training worker, whose loops run there",
                 )
+        elif self.checkpoint_engine.name == "naive":
+            raise ConfigValueError(
+                "checkpoint_engine.name",
+                "naive",
+                "hands tensors over within one process, but {p}mode=standalone replicas run in processes "
+                "of their own",
+                hint=" Use shm (one machine), gloo or nccl.",
+            )
         elif self.n_devices_per_node % self.tensor_parallel_size:
             raise ConfigValueError(
                 "n_devices_per_node",
@@ -872,6 +903,20 @@ class AlgorithmConfig(BaseConfig):
     rollout_correction: RolloutCorrectionConfig = section(
         RolloutCorrectionConfig, "Correction for rollout/trainer log-prob mismatch."
     )
+    off_policy: Literal["none", "decoupled"] = knob(
+        "none",
+        "none: a stale sample is trained as if the current weights generated it (rollout_correction may "
+        "still weight it). decoupled: the proximal policy is the weights at the start of the step (the "
+        "clip is around it; old log-probs are always recomputed) and each token is weighted by "
+        "π_prox / π_behaviour, the behaviour being the weights that generated it (needs "
+        "rollout.calculate_log_probs).",
+    )
+    off_policy_cap: float | None = knob(
+        5.0,
+        "decoupled: tokens whose π_prox / π_behaviour exceeds this are left out of the loss (their weight "
+        "is 0); null = no cap.",
+        gt=0,
+    )
 
 
 # ---------------------------------------------------------------- trainer
@@ -927,6 +972,32 @@ class TrainerConfig(BaseConfig):
     seed: int = knob(1, "Seed of the run; data.seed and rollout.seed default to it.")
     log_val_generations: int = knob(
         0, "Validation samples (prompt, response, score) sent to the trackers per validation.", ge=0
+    )
+    mode: Literal["sync", "one_step_off", "async"] = knob(
+        "sync",
+        "sync: generate, then train, each waiting for the other. one_step_off: batch k+1 is generated "
+        "(with the weights before step k) while step k trains. async: the replicas generate prompt "
+        "groups continuously into the replay pool and each step trains as soon as "
+        "data.train_batch_size groups are ready (rollout.max_staleness bounds their lag). Both overlapping "
+        "modes need rollout.mode=standalone.",
+    )
+    replay_pool: str = knob(
+        "fifo",
+        "trainer.mode=async: the buffer of finished groups, a name in trellis.replay_pools (fifo: oldest "
+        "first; uniform; prioritized). A step draws its groups from it.",
+    )
+    replay_capacity: int | None = knob(
+        None,
+        "trainer.mode=async: the most groups the buffer holds (the stalest go first beyond it). "
+        "null = (rollout.max_staleness + 2) × data.train_batch_size, which never evicts.",
+        ge=1,
+    )
+    replay_ratio: float = knob(
+        0.0,
+        "trainer.mode=async: the fraction of each step's groups drawn again from groups already trained "
+        "(kept while no staler than rollout.max_staleness); 0 = every sample is trained once.",
+        ge=0,
+        lt=1,
     )
 
     def finalize(self) -> None:
@@ -1015,6 +1086,49 @@ class TrellisConfig(BaseConfig):
                 False,
                 f"must be true (or null) when {which} is true: the KL term needs reference log-probs",
             )
+        if trainer.mode != "sync" and rollout.mode != "standalone":
+            raise ConfigValueError(
+                "trainer.mode",
+                trainer.mode,
+                f"needs rollout.mode=standalone (got {rollout.mode!r}): generation overlaps training only "
+                "when the replicas hold their own weights in processes of their own",
+            )
+        for key, value, neutral in (
+            ("rollout.partial_rollout", rollout.partial_rollout, False),
+            ("trainer.replay_ratio", trainer.replay_ratio, 0.0),
+        ):
+            if value != neutral and trainer.mode != "async":
+                raise ConfigValueError(
+                    key,
+                    value,
+                    f"acts only with trainer.mode=async (got {trainer.mode!r}): set trainer.mode=async or "
+                    f"leave it at {neutral}",
+                )
+        replayed = round(trainer.replay_ratio * data.train_batch_size)
+        if trainer.replay_ratio and replayed >= data.train_batch_size:
+            raise ConfigValueError(
+                "trainer.replay_ratio",
+                trainer.replay_ratio,
+                f"leaves no fresh group in a step of data.train_batch_size={data.train_batch_size} groups; "
+                "lower it",
+            )
+        if trainer.replay_capacity is None:
+            trainer.replay_capacity = (rollout.max_staleness + 2) * data.train_batch_size
+        if algorithm.off_policy == "decoupled":
+            if not rollout.calculate_log_probs:
+                raise ConfigValueError(
+                    "rollout.calculate_log_probs",
+                    False,
+                    "must be true when algorithm.off_policy is 'decoupled': the behaviour policy's "
+                    "log-probs come from the replica",
+                )
+            if algorithm.rollout_correction.rollout_is is not None:
+                raise ConfigValueError(
+                    "algorithm.rollout_correction.rollout_is",
+                    algorithm.rollout_correction.rollout_is,
+                    "must be null when algorithm.off_policy is 'decoupled', which already weights each "
+                    "token by π_prox / π_behaviour",
+                )
         correction = algorithm.rollout_correction
         if correction.enabled and not rollout.calculate_log_probs:
             part = "rollout_is" if correction.rollout_is is not None else "rollout_rs"

@@ -216,7 +216,9 @@ class ReplicaManager:
         self._wait(refs, "connect_weight_sync", START_TIMEOUT_S)
         self._connected = True
 
-    def update_weights(self, source: Iterable[tuple[str, Any]] | Callable[[], Any]) -> SyncStats:
+    def update_weights(
+        self, source: Iterable[tuple[str, Any]] | Callable[[], Any], *, version: int | None = None
+    ) -> SyncStats:
         """Load new weights into every replica; what one replica loaded (tensors, bytes) and the seconds.
 
         In-process replicas: ``source`` is the ``(name, tensor)`` pairs, streamed through the checkpoint
@@ -224,6 +226,8 @@ class ReplicaManager:
         their own: ``source`` is the trainer's half, a callable that makes the trainer's ranks send
         (after :meth:`connect_weight_sync`); every replica receives concurrently, and this returns once
         all have loaded every bucket. A replica generates again only after its sync ends.
+        ``version`` is the policy version of the new weights (None: each replica counts one more);
+        tokens generated afterwards carry it.
         """
         if not self.remote:
             if callable(source):
@@ -233,7 +237,7 @@ class ReplicaManager:
                 )
             if self._local_sync is None:  # one engine pair for the whole run
                 self._local_sync = WeightSyncManager(self.checkpoint_engine)
-            return run_coroutine(self._local_sync.sync(source, self.replicas))
+            return run_coroutine(self._local_sync.sync(source, self.replicas, version=version))
         if not callable(source):
             raise TypeError(
                 "update_weights: these replicas run in processes of their own; pass the trainer's send "
@@ -244,11 +248,12 @@ class ReplicaManager:
                 "update_weights: the checkpoint engine is not connected; call connect_weight_sync first."
             )
         start = time.perf_counter()
-        refs = [r.actor.receive_weights.remote() for r in self.replicas]
+        refs = [r.actor.receive_weights.remote(version) for r in self.replicas]
         source()
         received = self._wait(refs, "receive_weights", START_TIMEOUT_S)
         for replica in self.replicas:
             replica.asleep = False  # the receive woke it
+            replica.weight_version = replica.weight_version + 1 if version is None else int(version)
         first = received[0]
         return SyncStats(int(first["tensors"]), int(first["bytes"]), time.perf_counter() - start)
 
@@ -348,6 +353,7 @@ class AgentWorkerPool:
         self, config: Any, manager: ReplicaManager, tokenizer: Any, *, env: Mapping[str, str] | None = None
     ) -> None:
         self.num_workers = int(config.rollout.agent.num_workers)
+        self._turn = 0  # generate_async's next worker
         self.local: Any = None
         self.workers: list[Any] = []
         if self.num_workers == 1:
@@ -380,6 +386,24 @@ class AgentWorkerPool:
         used = [(worker, rows) for worker, rows in zip(self.workers, shares, strict=True) if rows]
         refs = [worker.generate_sequences.remote(prompts[rows]) for worker, rows in used]
         return concat_rollouts(self._get(refs, "generate_sequences"))
+
+    async def generate_async(self, prompts: Any) -> Any:
+        """:meth:`generate_sequences` as a coroutine, for a caller that runs many batches concurrently
+        on its own event loop (the async trainer's rollout stream: one group per call). With several
+        workers each call goes whole to the next worker in turn."""
+        from ray.exceptions import RayActorError
+
+        if self.local is not None:
+            return await self.local.generate_sequences_async(prompts)
+        worker = self.workers[self._turn % len(self.workers)]
+        self._turn += 1
+        try:
+            return await worker.generate_sequences.remote(prompts)
+        except RayActorError as exc:
+            raise RolloutReplicaError(
+                f"an agent worker died during generate_sequences ({type(exc).__name__}); check its log "
+                "(ray logs)."
+            ) from exc
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         from ray.exceptions import RayActorError

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,14 @@ class Trainer:
         """The standalone replicas' :class:`~trellis.rollout.manager.ReplicaManager`
         (rollout.mode=standalone); None when each training worker owns its replica."""
         self.agent_workers: Any = None
+        self.stream: Any = None
+        """trainer.mode=async: the :class:`~trellis.trainer.streaming.RolloutStream` (while fit runs)."""
+        self._stream_state: dict[str, Any] | None = None  # the stream's state from the resumed checkpoint
+        self._pending_batch: Any = None  # one_step_off: the future of the next step's batch
+        self._executor: Any = None
+        self._pending_version = 0  # one_step_off: the policy version generating the pending batch
+        self._pending_seconds = 0.0  # one_step_off: how long the last background generation took
+        self._loader_state_before_pending: dict[str, Any] | None = None
         from trellis.config.needs import resolve_needs
 
         self.needs = resolve_needs(config)
@@ -245,13 +254,18 @@ class Trainer:
         hooks.trellis_train_start(config=cfg, run_dir=self.run_dir)
         last_metrics: dict[str, float] = {}
         try:
+            batches = self._batches()
+            self._start_overlap(batches)
             if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
                 self._validate(result, hooks)
-            batches = self._batches()
             while self.step < self.total_steps:
-                prompts = next(batches)
                 self.step += 1
-                metrics = self.train_step(prompts)
+                if self.stream is not None:
+                    metrics = self.train_step_async()
+                elif cfg.trainer.mode == "one_step_off":
+                    metrics = self.train_step_one_step_off(batches)
+                else:
+                    metrics = self.train_step(next(batches))
                 if (
                     self.val_set is not None
                     and cfg.trainer.test_freq > 0
@@ -283,55 +297,227 @@ class Trainer:
         while True:
             yield from self.loader
 
+    # ------------------------------------------------------------------ the step, per trainer.mode
+
     def train_step(self, prompts: DataProto) -> dict[str, float]:
-        """One PPO step on a batch of prompts; returns its metrics.
+        """One sync PPO step on a batch of prompts; returns its metrics.
 
         Each stage is one visible call, timed where it runs (``timing/<stage>``); the objective's math
         is in :mod:`trellis.algorithms.objective`.
         """
-        cfg = self.config
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {"training/global_step": float(self.step)}
-        prompts = self._label(prompts, f"{self.step}-")
         with marked_timer("step", timings):
             with marked_timer("generate", timings):
-                batch = self.generate_sequences(_numbered(prompts.repeat(cfg.rollout.n)))
-            metrics.update(_worker_mean(batch.meta_info.pop("metrics", {}) or {}))
-            greedy = None
-            if "reward_baselines" in self.needs:  # remax: one greedy response per prompt
-                with marked_timer("generate_baseline", timings):
-                    greedy = self.generate_sequences(_numbered(_greedy(prompts)))
-                greedy.meta_info.pop("metrics", None)
-            if self.replicas is None and self.rollout_has_own_weights and cfg.rollout.free_cache_engine:
-                with marked_timer("rollout_sleep", timings):
-                    self.actor_wg.sleep_rollout()
-            with marked_timer("score", timings):
-                batch, reward_metrics = self.score(batch)
-                if greedy is not None:
-                    greedy, _ = self.score(greedy)
-                    batch.tensors["reward_baselines"] = _baselines(greedy, cfg.rollout.n)
-            metrics.update(reward_metrics)
-            if self.recompute_old_log_probs:
-                with marked_timer("old_log_prob", timings):
-                    batch = batch.union(self.actor_wg.compute_log_prob(batch))
-                entropy = masked_mean(batch.tensors["entropys"], batch.tensors["response_mask"].float())
-                metrics["actor/entropy_rollout"] = float(entropy)
-            if cfg.ref.enable:
-                with marked_timer("ref", timings):
-                    batch = batch.union(self.actor_wg.compute_ref_log_prob(batch))
-            if self.critic_wg is not None:
-                with marked_timer("values", timings):
-                    batch = batch.union(self.critic_wg.compute_values(batch))
-            with marked_timer("advantage", timings):
-                metrics.update(self.compute_advantages(batch))
-            if self.critic_wg is not None:
-                with marked_timer("update_critic", timings):
-                    metrics.update(M.mean_metrics(self.critic_wg.update_critic(batch)))
-            with marked_timer("update_actor", timings):
-                metrics.update(M.mean_metrics(self.actor_wg.update_actor(batch)))
+                batch, greedy = self.generate_batch(prompts, self.step, timings)
+            batch = self.train_batch(batch, greedy, metrics, timings)
             if self.rollout_has_own_weights:
                 with marked_timer("weight_sync", timings):
                     metrics.update(self.sync_weights())
+        return self._step_metrics(batch, metrics, timings, waited=timings["generate"])
+
+    def train_step_one_step_off(self, batches: Any) -> dict[str, float]:
+        """One ``trainer.mode=one_step_off`` step: start generating the next batch (with the weights
+        before this step, as the replicas hold them) in the background, train on the batch generated
+        during the previous step, wait for the next batch, then sync the weights. Every batch after the
+        first lags exactly one policy version (``async/staleness/mean`` 1)."""
+        timings: dict[str, float] = {}
+        metrics: dict[str, float] = {"training/global_step": float(self.step)}
+        with marked_timer("step", timings):
+            with marked_timer("wait_rollout", timings):
+                batch, greedy = self._pending_batch.result()
+            self._pending_batch = None
+            busy = self._pending_seconds
+            if self.step < self.total_steps:  # the next step's batch, generated while this one trains
+                self._submit_next_batch(batches, self.step + 1)
+            lag = self.step - 1 - self._pending_version
+            metrics.update({"async/staleness/mean": float(lag), "async/staleness/max": float(lag)})
+            batch = self.train_batch(batch, greedy, metrics, timings)
+            if self._pending_batch is not None:  # the sync waits: the next batch is all old weights
+                with marked_timer("wait_next_rollout", timings):
+                    self._pending_batch.result()
+            if self.rollout_has_own_weights:
+                with marked_timer("weight_sync", timings):
+                    metrics.update(self.sync_weights())
+        self._pending_version = self.step - 1 if self._pending_batch is not None else self.step
+        waited = timings["wait_rollout"] + timings.get("wait_next_rollout", 0.0)
+        return self._step_metrics(batch, metrics, timings, waited=waited, busy=busy)
+
+    def _submit_next_batch(self, batches: Any, step: int) -> None:
+        """one_step_off: generate step ``step``'s batch in the background (see ``train_step_one_step_off``).
+        A checkpoint saved meanwhile records the loader as before this batch: a resumed run generates
+        it again (with the restored weights)."""
+        self._loader_state_before_pending = self.loader.state_dict()
+        prompts = next(batches)
+
+        def generate() -> tuple[DataProto, DataProto | None]:
+            start = time.perf_counter()
+            try:
+                return self.generate_batch(prompts, step, {})
+            finally:
+                self._pending_seconds = time.perf_counter() - start
+
+        self._pending_batch = self._executor.submit(generate)
+
+    def train_step_async(self) -> dict[str, float]:
+        """One ``trainer.mode=async`` step: draw ``data.train_batch_size`` groups from the replay pool
+        (waiting until the stream has generated them; stale ones dropped or regenerated), train on them,
+        and sync the weights, while the replicas keep generating the next groups."""
+        stream = self.stream
+        if stream is None:
+            raise RuntimeError("train_step_async: trainer.mode is not async (no rollout stream).")
+        timings: dict[str, float] = {}
+        metrics: dict[str, float] = {"training/global_step": float(self.step)}
+        with marked_timer("step", timings):
+            with marked_timer("wait_rollout", timings):
+                groups, stream_metrics = stream.take(self.step)
+            from trellis.rollout.agent_loop import concat_rollouts
+
+            batch = concat_rollouts(groups)
+            batch.meta_info.pop("metrics", None)
+            metrics.update(stream_metrics)
+            batch = self.train_batch(batch, None, metrics, timings)
+            with marked_timer("weight_sync", timings):
+                metrics.update(self.sync_weights())
+            stream.set_version(self.step)
+        return self._step_metrics(batch, metrics, timings, waited=timings["wait_rollout"], idle_measured=True)
+
+    def _start_overlap(self, batches: Any) -> None:
+        """one_step_off: submit the first batch; async: build and start the rollout stream (from the
+        checkpoint's stream state when resuming)."""
+        cfg = self.config
+        self.stream = None
+        self._pending_batch = None
+        mode = cfg.trainer.mode
+        if mode == "sync":
+            return
+        if "reward_baselines" in self.needs:
+            raise ValueError(
+                f"trainer.mode={mode} does not generate remax's greedy baselines "
+                f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}); use trainer.mode=sync."
+            )
+        if mode == "one_step_off":
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="trellis-one-step-off")
+            self._pending_version = self.step
+            self._pending_seconds = 0.0
+            if self.step < self.total_steps:
+                self._submit_next_batch(batches, self.step + 1)
+            return
+        from trellis.registries import replay_pools
+        from trellis.replay import UniformReplayPool
+        from trellis.trainer.streaming import RolloutStream
+
+        trainer = cfg.trainer
+        size = cfg.data.train_batch_size
+        replay = round(trainer.replay_ratio * size)
+        pool = replay_pools.get(trainer.replay_pool)(
+            trainer.replay_capacity, eviction="stalest", seed=trainer.seed
+        )
+        memory = (
+            UniformReplayPool(trainer.replay_capacity, eviction="stalest", seed=trainer.seed)
+            if replay
+            else None
+        )
+        self.stream = RolloutStream(
+            self.agent_workers.generate_async,
+            batches,
+            self.loader,
+            group_size=cfg.rollout.n,
+            batch_size=size,
+            max_staleness=cfg.rollout.max_staleness,
+            stale_policy=cfg.rollout.stale_policy,
+            pool=pool,
+            memory=memory,
+            replay_count=replay,
+            version=self.step,
+        )
+        if self._stream_state is not None:
+            self.stream.load_state_dict(self._stream_state)
+        self.stream.start()
+
+    def _stop_overlap(self) -> None:
+        stream, self.stream = getattr(self, "stream", None), None
+        if stream is not None:
+            stream.stop()
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def generate_batch(
+        self, prompts: DataProto, step: int, timings: dict[str, float]
+    ) -> tuple[DataProto, DataProto | None]:
+        """The generate stage of step ``step``: ``rollout.n`` responses per prompt (unscored), and
+        for remax the greedy baseline responses (None otherwise)."""
+        prompts = self._label(prompts, f"{step}-", step)
+        batch = self.generate_sequences(_numbered(prompts.repeat(self.config.rollout.n)))
+        greedy = None
+        if "reward_baselines" in self.needs:  # remax: one greedy response per prompt
+            with marked_timer("generate_baseline", timings):
+                greedy = self.generate_sequences(_numbered(_greedy(prompts)))
+            greedy.meta_info.pop("metrics", None)
+        return batch, greedy
+
+    def train_batch(
+        self, batch: DataProto, greedy: DataProto | None, metrics: dict[str, float], timings: dict[str, float]
+    ) -> DataProto:
+        """Every stage of a step after generation, on a generated batch: score, old / reference
+        log-probs, values, advantages, critic and actor updates (the weight sync is the caller's next
+        stage). Adds the stages' metrics to ``metrics``; returns the batch with what they computed."""
+        cfg = self.config
+        metrics.update(_worker_mean(batch.meta_info.pop("metrics", {}) or {}))
+        if self.replicas is None and self.rollout_has_own_weights and cfg.rollout.free_cache_engine:
+            with marked_timer("rollout_sleep", timings):
+                self.actor_wg.sleep_rollout()
+        with marked_timer("score", timings):
+            batch, reward_metrics = self.score(batch)
+            if greedy is not None:
+                greedy, _ = self.score(greedy)
+                batch.tensors["reward_baselines"] = _baselines(greedy, cfg.rollout.n)
+        metrics.update(reward_metrics)
+        if self.recompute_old_log_probs:
+            with marked_timer("old_log_prob", timings):
+                batch = batch.union(self.actor_wg.compute_log_prob(batch))
+            entropy = masked_mean(batch.tensors["entropys"], batch.tensors["response_mask"].float())
+            metrics["actor/entropy_rollout"] = float(entropy)
+        if cfg.ref.enable:
+            with marked_timer("ref", timings):
+                batch = batch.union(self.actor_wg.compute_ref_log_prob(batch))
+        if self.critic_wg is not None:
+            with marked_timer("values", timings):
+                batch = batch.union(self.critic_wg.compute_values(batch))
+        with marked_timer("advantage", timings):
+            metrics.update(self.compute_advantages(batch))
+        if self.critic_wg is not None:
+            with marked_timer("update_critic", timings):
+                metrics.update(M.mean_metrics(self.critic_wg.update_critic(batch)))
+        with marked_timer("update_actor", timings):
+            metrics.update(M.mean_metrics(self.actor_wg.update_actor(batch)))
+        return batch
+
+    def _step_metrics(
+        self,
+        batch: DataProto,
+        metrics: dict[str, float],
+        timings: dict[str, float],
+        *,
+        waited: float,
+        busy: float | None = None,
+        idle_measured: bool = False,
+    ) -> dict[str, float]:
+        """The step's closing metrics: data, timing, throughput, memory, and how much of the step the
+        trainer waited for rollouts (``async/trainer_idle_fraction``) and the replicas had nothing to
+        generate (``async/rollout_idle_fraction``: in sync mode all but the generate stage; in
+        one_step_off all but the background generation's time; async measures it in the stream)."""
+        cfg = self.config
+        step_s = max(timings["step"], 1e-9)
+        metrics["async/trainer_idle_fraction"] = min(1.0, waited / step_s)
+        if not idle_measured:
+            generating = waited if busy is None else busy
+            metrics["async/rollout_idle_fraction"] = max(0.0, 1.0 - generating / step_s)
+        metrics["training/samples_per_s"] = len(batch) / step_s
         metrics.update(M.compute_data_metrics(batch, cfg.data.max_response_length))
         metrics.update(M.compute_timing_metrics(timings))
         metrics.update(M.compute_throughput_metrics(batch, timings, self.world_size))
@@ -340,7 +526,11 @@ class Trainer:
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """The generate stage: responses to ``prompts`` from the policy workers' replicas, or, in
-        standalone mode, from the agent workers over the standalone replicas (unscored)."""
+        standalone mode, from the agent workers over the standalone replicas (unscored). In async mode
+        it runs on the rollout stream's event loop, beside the stream's own requests."""
+        stream = getattr(self, "stream", None)
+        if stream is not None:
+            return stream.run(self.agent_workers.generate_async(prompts))
         if self.agent_workers is not None:
             return self.agent_workers.generate_sequences(prompts)
         return self.actor_wg.generate_sequences(prompts)
@@ -348,12 +538,14 @@ class Trainer:
     def sync_weights(self) -> dict[str, float]:
         """The weight-sync stage: the actor's weights into every replica that keeps its own copy.
 
-        Standalone replicas receive while the policy workers send (through ``rollout.checkpoint_engine``);
-        other replicas are loaded by their own worker. Returns ``weight_sync/megabytes`` (what one replica
-        received) and ``weight_sync/mb_per_s`` (over the stage's wall time).
+        Standalone replicas receive while the policy workers send (through ``rollout.checkpoint_engine``),
+        as policy version ``self.step`` (the steps trained; their tokens carry it); other replicas are
+        loaded by their own worker. Returns ``weight_sync/megabytes`` (what one replica received) and
+        ``weight_sync/mb_per_s`` (over the stage's wall time).
         """
         if self.replicas is not None:
-            stats = self.replicas.update_weights(self.actor_wg.send_rollout_weights)
+            version = int(getattr(self, "step", 0))
+            stats = self.replicas.update_weights(self.actor_wg.send_rollout_weights, version=version)
             sent, seconds = float(stats.bytes), stats.seconds
         else:
             ranks = self.actor_wg.sync_rollout_weights()
@@ -427,6 +619,19 @@ class Trainer:
                 b["rollout_is_weights"] = weights
             b["response_mask"] = new_mask.to(mask.dtype)
             metrics.update({k: float(v) for k, v in rc_metrics.items()})  # keys carry rollout_corr/
+        if cfg.off_policy == "decoupled":
+            from trellis.algorithms.off_policy import decoupled_weights
+
+            if "rollout_log_probs" not in b:
+                raise ValueError(
+                    "algorithm.off_policy=decoupled: the rollout has no rollout_log_probs (the behaviour "
+                    "policy's); the replica did not return log-probs although rollout.calculate_log_probs "
+                    "is on."
+                )
+            b["rollout_is_weights"], off_metrics = decoupled_weights(
+                b["old_log_probs"], b["rollout_log_probs"], b["response_mask"], cfg.off_policy_cap
+            )
+            metrics.update(off_metrics)
         b["advantages"], b["returns"] = objective.compute_advantages(
             cfg.adv_estimator,
             b["token_level_rewards"],
@@ -437,12 +642,13 @@ class Trainer:
         )
         return metrics
 
-    def _label(self, prompts: DataProto, prefix: str) -> DataProto:
-        """``prompts`` with a ``uid`` per prompt (its responses' group id) and the step number."""
+    def _label(self, prompts: DataProto, prefix: str, step: int | None = None) -> DataProto:
+        """``prompts`` with a ``uid`` per prompt (its responses' group id) and the step number
+        (``step``, default the current one)."""
         prompts.non_tensor_batch["uid"] = np.array(
             [f"{prefix}{i}" for i in range(len(prompts))], dtype=object
         )
-        prompts.meta_info["global_steps"] = self.step
+        prompts.meta_info["global_steps"] = self.step if step is None else step
         return prompts
 
     # ------------------------------------------------------------------ validation
@@ -541,12 +747,17 @@ class Trainer:
         self.actor_wg.save_checkpoint(manager.root, self.step)
         if self.critic_wg is not None:
             self.critic_wg.save_checkpoint(manager.root, self.step)
+        loader = self.loader.state_dict()
+        if self._pending_batch is not None and self._loader_state_before_pending is not None:
+            loader = self._loader_state_before_pending  # one_step_off: the next batch is generated again
         trainer = {
             "step": self.step,
-            "loader": self.loader.state_dict(),
+            "loader": loader,
             "kl_coef": float(getattr(self.kl_ctrl, "value", 0.0)),
             "rng": capture_rng_state(),
         }
+        if self.stream is not None:  # async: the buffer, the memory and the prompts not yet trained
+            trainer["stream"] = self.stream.state_dict()
         manager.save_shard(self.step, "trainer", 0, {"trainer": trainer})
         parts = {**(manager.parts or {}), "trainer": 1}
         return manager.publish(self.step, parts, hf_files=self._hf_files())
@@ -567,10 +778,11 @@ class Trainer:
             return
         saved = load_rank_file(path, 0, part="trainer")["trainer"]
         self.actor_wg.load_checkpoint(path)
+        self.step = int(saved["step"])
         self.sync_weights()  # the replicas (own copies, standalone or not) generate with the restored weights
         if self.critic_wg is not None:
             self.critic_wg.load_checkpoint(path)
-        self.step = int(saved["step"])
+        self._stream_state = saved.get("stream")
         self.loader.load_state_dict(saved["loader"])
         if hasattr(self.kl_ctrl, "value"):
             self.kl_ctrl.value = float(saved["kl_coef"])
@@ -615,6 +827,7 @@ class Trainer:
             self._own_ray = True
 
     def _shutdown(self) -> None:
+        self._stop_overlap()
         close = getattr(getattr(self, "reward_manager", None), "close", None)
         if close is not None:  # the async manager's scoring processes (reward.placement=driver)
             close()
@@ -660,8 +873,9 @@ def _numbered(batch: DataProto) -> DataProto:
 
 def on_policy(config: Any, needs: Any = ()) -> bool:
     """Whether a step's update is exactly one optimizer step over the whole batch with nothing else
-    reading the old log-probs (no KL in the reward, no rollout correction, no estimator or loss that
-    declares ``old_log_probs``), so they equal the current policy's and need no separate forward pass."""
+    reading the old log-probs (no KL in the reward, no rollout correction, no decoupled off-policy
+    weights, no estimator or loss that declares ``old_log_probs``), so they equal the current policy's
+    and need no separate forward pass."""
     actor, algorithm = config.actor, config.algorithm
     return (
         actor.ppo_epochs == 1
@@ -669,6 +883,7 @@ def on_policy(config: Any, needs: Any = ()) -> bool:
         and not algorithm.use_kl_in_reward
         and not algorithm.rollout_correction.enabled
         and "old_log_probs" not in needs
+        and algorithm.off_policy == "none"  # decoupled: the proximal policy's log-probs are recomputed
     )
 
 
