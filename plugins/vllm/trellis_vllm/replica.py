@@ -32,6 +32,28 @@ boundaries may fall inside a fused layer), and closes, followed by a prefix-cach
 ``resume()`` (which :class:`trellis.checkpoint.WeightSyncManager` awaits after the last bucket)
 or before the next ``generate`` / ``sleep``, whichever comes first.
 
+**Weight versions and partial rollout.** Every token comes back stamped with the policy version
+of the weights that generated it (``TokenOutput.weight_versions``; :attr:`weight_version` read when
+the request, or its resumed segment, enters the engine). ``begin_weight_update()`` closes a gate:
+requests that arrive later (or were about to enter the engine) wait for ``end_weight_update``,
+which sets the version, then opens the gate; every request closes an open reload (and resets the
+prefix cache) before it enters the engine, so none runs before the reload is complete, whether or
+not ``resume()`` came first. Without ``rollout.partial_rollout`` ``begin`` returns once the
+requests in flight have finished with the old weights. With it, ``begin`` aborts them
+(``AsyncLLM.abort``: vLLM ends an aborted request with a final output that holds its tokens and
+log-probs so far, even in ``FINAL_ONLY`` mode) and returns once they are out of the engine; after
+``end`` each resumes as a new request of prompt + tokens so far, ``max_tokens`` less those tokens,
+under the new weights (one aborted before its first token starts over as it was). The caller
+gets one ``TokenOutput``: the segments' tokens, log-probs and versions concatenated (the old
+version on the first segment, the new one on the rest), the last segment's stop reason. Stop
+strings are looked for in the decoded whole response (one spanning the interruption is found
+too). vLLM's per-request seed cannot continue a random stream at an offset: a seeded request
+resumed after ``o`` tokens draws its continuation from :func:`resumed_seed` ``(seed, o)``, so it
+is reproducible but not the tokens an uninterrupted run would have drawn (greedy requests are
+unaffected). ``shutdown`` resolves the requests still waiting at the gate with
+``stop_reason="abort"`` and no tokens. Requests to the OpenAI server (``server: true``) bypass
+the gate: they are neither held nor stamped.
+
 **Sleep.** Where the platform has vLLM's sleep mode (CUDA), the engine is built with
 ``enable_sleep_mode`` and ``sleep()`` calls ``sleep(level)`` (``engine_kwargs.sleep_level``:
 1 offloads the weights to host memory and drops the KV cache; 2 drops both, for replicas whose
@@ -51,16 +73,19 @@ passed to ``init`` has its weights loaded into the engine, so it serves exactly 
 weights. ``colocated``: same devices as training, weights from ``model.path`` until the first
 sync. ``standalone``: devices of its own (those visible to the process).
 
-``engine_kwargs`` read here: ``server`` (false), ``server_port`` (0 = free), ``sleep_level``
-(1), ``kv_cache_space_gb`` (CPU, 1), ``weights_dir`` (/dev/shm), ``startup_timeout_s`` (600);
-every other key goes to ``vllm.AsyncEngineArgs`` as it is (``max_model_len``,
-``enforce_eager``, ``max_num_seqs``, ``enable_prefix_caching``, ``logprobs_mode``, ...).
+Settings read here: ``rollout.partial_rollout`` (false); ``engine_kwargs``: ``server`` (false),
+``server_port`` (0 = free), ``sleep_level`` (1), ``kv_cache_space_gb`` (CPU, 1), ``weights_dir``
+(/dev/shm), ``startup_timeout_s`` (600); every other key goes to ``vllm.AsyncEngineArgs`` as it
+is (``max_model_len``, ``enforce_eager``, ``max_num_seqs``, ``enable_prefix_caching``,
+``logprobs_mode``, ...).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import importlib.util
 import itertools
 import logging
@@ -72,6 +97,7 @@ from typing import Any
 
 from trellis.rollout import RolloutReplica, SamplingParams, TokenOutput
 from trellis.utils.loop_thread import LoopThread
+from trellis.utils.settings import setting
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +136,91 @@ def token_output(completion: Any, wants_logprobs: bool) -> TokenOutput:
     return TokenOutput(tokens, log_probs, stop_reason)
 
 
+def resumed_seed(seed: int, offset: int) -> int:
+    """The seed of a seeded request's continuation after ``offset`` tokens (partial rollout).
+
+    vLLM seeds a fresh generator per request, so a resumed request cannot read its stream from
+    number ``offset`` on; it gets this seed instead, derived from both (``seed`` itself at 0).
+    """
+    if offset == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits: any torch generator takes it
+
+
+def stop_string_cut(tokenizer: Any, tokens: list[int], stop: Iterable[str], start: int = 0) -> int | None:
+    """Number of tokens up to and including the first one whose decoded prefix contains a stop string.
+
+    Only cuts after the first ``start`` tokens are looked at (a resumed response's prefix, already
+    checked); None when the decoded ``tokens`` contain none of ``stop``.
+    """
+    stop = tuple(stop)
+
+    def found(n: int) -> bool:
+        text = tokenizer.decode(tokens[:n], skip_special_tokens=False)
+        return any(s in text for s in stop)
+
+    if len(tokens) <= start or not found(len(tokens)):  # the usual case: one decode
+        return None
+    lo, hi = start + 1, len(tokens)  # found(hi); bisect for the first n, as a prefix's text grows
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if found(mid) else (mid + 1, hi)
+    if lo == start + 1 or not found(lo - 1):
+        return lo
+    # a decoded prefix is not always a prefix of the longer text (a split multi-byte character)
+    return next(n for n in range(start + 1, lo + 1) if found(n))
+
+
+@dataclasses.dataclass
+class _Segment:
+    """A request of the replica in the engine; ``interrupted`` once a weight update aborted it."""
+
+    interrupted: bool = False
+
+
+class _Traffic:
+    """Which requests may enter the engine, around weight updates. Used on the engine's loop only.
+
+    ``open`` is clear while an update session is open (between ``begin_weight_update`` and
+    ``end_weight_update``); ``in_flight`` holds the replica's requests in the engine, ``idle`` is
+    set when there are none; ``serving`` is held while a reload is closed (or the KV cache woken).
+    """
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.open.set()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.serving = asyncio.Lock()
+        self.sessions = 0
+        self.closed = False  # the replica shut down: requests waiting at the gate are aborted
+        self.in_flight: dict[str, _Segment] = {}
+
+    def enter(self, request_id: str, segment: _Segment) -> None:
+        self.in_flight[request_id] = segment
+        self.idle.clear()
+
+    def leave(self, request_id: str) -> None:
+        self.in_flight.pop(request_id, None)
+        if not self.in_flight:
+            self.idle.set()
+
+    def end_session(self) -> None:
+        if self.sessions > 0:
+            self.sessions -= 1
+            if self.sessions == 0:
+                self.open.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.open.set()
+
+
+def _aborted(params: SamplingParams) -> TokenOutput:
+    return TokenOutput([], [] if params.wants_logprobs else None, "abort", weight_versions=[])
+
+
 def _shutdown_engine(loop_thread: LoopThread, state: dict[str, Any]) -> None:
     """Stop the server, the engine and the loop (also run at garbage collection / exit)."""
     engine, server = state.pop("engine", None), state.pop("server", None)
@@ -118,6 +229,11 @@ def _shutdown_engine(loop_thread: LoopThread, state: dict[str, Any]) -> None:
         return
 
     async def close() -> None:
+        traffic = state.get("traffic")
+        if traffic is not None:
+            traffic.close()
+            for _ in range(5):  # the requests it releases resolve (aborted) before the loop stops
+                await asyncio.sleep(0)
         if server is not None:
             uv_server, task = server
             uv_server.should_exit = True
@@ -157,6 +273,10 @@ class VLLMRolloutReplica(RolloutReplica):
         self.startup_timeout_s = _positive(kwargs, "startup_timeout_s", 600)
         self.weights_dir = str(kwargs.get("weights_dir") or _default_weights_dir())
         self.engine_kwargs = {k: v for k, v in kwargs.items() if k not in _OWN_KEYS}
+        partial = setting(rollout_config, "partial_rollout", False)
+        if not isinstance(partial, bool):
+            raise ValueError(f"rollout.partial_rollout must be true or false, got {partial!r}.")
+        self.partial_rollout = partial
         self.engine: Any = None
         self.sleep_mode = False  # whether the engine has vLLM's sleep mode (set by init)
         self._kv_asleep = False
@@ -166,6 +286,7 @@ class VLLMRolloutReplica(RolloutReplica):
         self._state: dict[str, Any] = {}
         self._finalizer: Any = None
         self._tied: dict[str, str] = {}  # input-embedding name -> output name sharing its weight
+        self._traffic = _Traffic()  # requests around weight updates, on the engine loop
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -251,6 +372,7 @@ class VLLMRolloutReplica(RolloutReplica):
             args.setdefault("enable_sleep_mode", True)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         self._state["engine"] = self.engine
+        self._traffic = self._state["traffic"] = _Traffic()  # its events bind to this loop
         if self.serve_http:
             from trellis_vllm.server import start_openai_server
 
@@ -277,21 +399,109 @@ class VLLMRolloutReplica(RolloutReplica):
         if self.engine is None:
             raise RuntimeError("VLLMRolloutReplica.generate before init(): await replica.init(mode) first.")
         prompt = self.check_request(prompt_ids, sampling_params, request_id)
-        if self._reload_open or self._kv_asleep:
-            await self.resume()
-        return await self._loop.call(self._generate(prompt, sampling_params, f"{request_id}-{next(_ids)}"))
+        return await self._loop.call(self._generate(prompt, sampling_params, request_id))
 
     async def _generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> TokenOutput:
+        """On the engine loop: one response, in several segments when weight updates interrupt it."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        sp = VLLMSamplingParams(**vllm_sampling_kwargs(params), output_kind=RequestOutputKind.FINAL_ONLY)
-        final = None
-        async for output in self.engine.generate({"prompt_token_ids": prompt}, sp, request_id):
-            final = output  # FINAL_ONLY: one output, when the request finishes
-        if final is None or not final.outputs:
-            return TokenOutput([], [] if params.wants_logprobs else None, "abort")
-        return token_output(final.outputs[0], params.wants_logprobs)
+        traffic = self._traffic
+        wants = params.wants_logprobs
+        tokens: list[int] = []  # of the interrupted segments so far
+        log_probs: list[float] = []
+        versions: list[int] = []
+        while True:
+            if not await self._ready():
+                return _aborted(params)
+            # no await from the gate check to enter(): a weight update that begins sees this request
+            version = self.weight_version
+            segment_params = params
+            if tokens:
+                segment_params = dataclasses.replace(
+                    params,
+                    max_tokens=params.max_tokens - len(tokens),
+                    seed=None if params.seed is None else resumed_seed(params.seed, len(tokens)),
+                )
+            sp = VLLMSamplingParams(
+                **vllm_sampling_kwargs(segment_params), output_kind=RequestOutputKind.FINAL_ONLY
+            )
+            engine_id = f"{request_id}-{next(_ids)}"
+            segment = _Segment()
+            traffic.enter(engine_id, segment)
+            final = None
+            try:
+                # FINAL_ONLY: one output, when the request finishes or is aborted (with its tokens so far)
+                context = {"prompt_token_ids": prompt + tokens}
+                async for output in self.engine.generate(context, sp, engine_id):
+                    final = output
+            finally:
+                traffic.leave(engine_id)
+            if final is None or not final.outputs:
+                out = _aborted(params)
+            else:
+                out = token_output(final.outputs[0], wants)
+                out.weight_versions = [version] * len(out.token_ids)
+            if segment.interrupted and out.stop_reason == "abort":
+                tokens += out.token_ids
+                log_probs += out.log_probs or []
+                versions += out.weight_versions or []
+                if len(tokens) < params.max_tokens:
+                    continue  # resumes once the update has ended, with the new weights
+                out = TokenOutput([], [] if wants else None, "length", weight_versions=[])
+            if not tokens:
+                return out
+            if params.stop:  # on the whole response: a stop string may span the interruption
+                cut = stop_string_cut(
+                    self.engine.get_tokenizer(), tokens + out.token_ids, params.stop, start=len(tokens)
+                )
+                if cut is not None:
+                    n = cut - len(tokens)
+                    out = TokenOutput(
+                        out.token_ids[:n],
+                        None if out.log_probs is None else out.log_probs[:n],
+                        "stop",
+                        weight_versions=(out.weight_versions or [])[:n],
+                    )
+            return TokenOutput(
+                tokens + out.token_ids,
+                None if out.log_probs is None else log_probs + out.log_probs,
+                out.stop_reason,
+                weight_versions=versions + (out.weight_versions or []),
+            )
+
+    async def _ready(self) -> bool:
+        """On the engine loop: wait until requests may enter the engine (no update session open, the
+        reload closed, the KV cache awake); False once the replica has shut down."""
+        traffic = self._traffic
+        while True:
+            if traffic.closed:
+                return False
+            if not traffic.open.is_set():
+                await traffic.open.wait()
+            elif self._reload_open or self._kv_asleep or traffic.serving.locked():
+                await self._serve()  # (locked: another request closes the reload; wait for the reset)
+            else:
+                return True
+
+    async def _serve(self) -> None:
+        """On the engine loop: close an open reload (then reset the prefix cache), wake the KV cache."""
+        async with self._traffic.serving:
+            if self._reload_open:
+                self._reload_open = False  # before awaiting: a reload opened meanwhile stays open
+                try:
+                    await self.engine.collective_rpc("trellis_finish_reload")
+                except BaseException:
+                    self._reload_open = True
+                    raise
+                if await self.engine.reset_prefix_cache() is False:  # refused: requests hold blocks
+                    logger.warning(
+                        "vLLM did not reset its prefix cache after a weight update (requests were "
+                        "running): cached prefixes computed with the old weights may be reused."
+                    )
+            if self._kv_asleep:
+                await self.engine.wake_up(tags=["kv_cache"])
+                self._kv_asleep = False
 
     # ------------------------------------------------------------------ sleep and weights
 
@@ -319,13 +529,52 @@ class VLLMRolloutReplica(RolloutReplica):
             raise RuntimeError("VLLMRolloutReplica.resume before init().")
         if self.asleep:
             await self.wake_up()
-        if self._reload_open:
-            await self._loop.call(self.engine.collective_rpc("trellis_finish_reload"))
-            self._reload_open = False
-            await self._loop.call(self.engine.reset_prefix_cache())
-        if self._kv_asleep:
-            await self._loop.call(self.engine.wake_up(tags=["kv_cache"]))
-            self._kv_asleep = False
+        await self._loop.call(self._serve())
+
+    async def begin_weight_update(self) -> None:
+        """Hold new requests until :meth:`end_weight_update`; returns once none of the replica's is in
+        the engine.
+
+        Without ``partial_rollout`` the requests in flight first finish with the old weights; with
+        it, they are aborted, keeping their tokens so far, and resume after the update.
+        """
+        if self.engine is None:
+            raise RuntimeError("VLLMRolloutReplica.begin_weight_update before init().")
+        await self._loop.call(self._begin())
+
+    async def _begin(self) -> None:
+        traffic = self._traffic
+        traffic.sessions += 1
+        traffic.open.clear()
+        try:
+            while traffic.in_flight:
+                if self.partial_rollout:
+                    for segment in traffic.in_flight.values():
+                        segment.interrupted = True
+                    # again each round: a request still being added to the engine misses an abort
+                    await self.engine.abort(list(traffic.in_flight))
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(traffic.idle.wait(), timeout=0.05)
+                else:
+                    await traffic.idle.wait()
+            async with traffic.serving:  # a reload being closed meanwhile completes first
+                pass
+        except BaseException:  # cancelled while waiting: this update never began
+            traffic.end_session()
+            raise
+
+    async def end_weight_update(self, version: int | None = None) -> None:
+        """Set :attr:`weight_version` (``version``, or one more when None), then let the requests held
+        by :meth:`begin_weight_update` (and those it interrupted) go on with the new weights.
+
+        Without a :meth:`begin_weight_update` before it, it only sets the version.
+        """
+        await super().end_weight_update(version)
+        if self._loop is not None and self._loop.running:
+            await self._loop.call(self._end())
+
+    async def _end(self) -> None:
+        self._traffic.end_session()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load ``(name, tensor)`` pairs (Hugging Face names) into every worker's model in place.
