@@ -1,0 +1,134 @@
+"""Asynchronous against synchronous training: trained samples per second, idle fractions, held-out reward.
+
+    python benchmarks/async_vs_sync.py [--steps 10] [--no-smollm2] [--models tiny,smollm2]
+
+Each mode trains the same prompts with the same model and seed on the same cores: one process
+generates (a standalone ``hf`` replica, a Ray actor with one torch thread) and one trains (the
+driver, one torch thread). The modes: ``sync`` (generate, then train), ``one_step_off`` (the next
+batch generates while this one trains) and ``async`` with ``rollout.max_staleness=2`` (the replica
+generates prompt groups continuously into the replay pool; each step trains as soon as its groups
+are ready). Response lengths have a long tail: ``max_response_length`` is raised well above what
+most answers need, so a few responses per batch run to the limit while most stop early (the tiny
+model's eos is rare; SmolLM2 answers the arithmetic task in a few tokens but sometimes rambles).
+
+Printed per model and mode: trained samples per second over steps 2..N (the first step of the
+overlapping modes waits for the first batch like sync does), the ratio to sync (target: async
+>= 1.5x), the fraction of each step the trainer waited for rollouts and the fraction the replica had
+nothing to generate, the mean staleness, the wall time of the N steps, and the held-out reward after
+N steps (``val/reward/mean``; target: within 3 points of sync). This is a measurement, never a
+pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+MODES = {
+    "sync": ["trainer.mode=sync"],
+    "one_step_off": ["trainer.mode=one_step_off"],
+    "async": ["trainer.mode=async", "rollout.max_staleness=2"],
+}
+
+
+def model_overrides(name: str, path: str | None) -> list[str]:
+    """The preset of ``name`` with the long-tailed response lengths of this benchmark."""
+    from trellis.recipes.presets import preset_overrides
+
+    if name == "tiny":
+        return [*preset_overrides("tiny"), "data.max_response_length=64"]
+    overrides = [o for o in preset_overrides("demo") if not o.startswith("rollout.mode=")]
+    return [*overrides, f"model.path={path}", "data.max_response_length=48"]
+
+
+def run(name: str, mode: str, steps: int, root: str, path: str | None) -> dict[str, Any]:
+    from trellis.config import load_config
+    from trellis.trainer.ppo import Trainer
+
+    run_dir = os.path.join(root, f"{name}-{mode}")
+    config = load_config(
+        overrides=[
+            *model_overrides(name, path),
+            *MODES[mode],
+            "rollout.mode=standalone",
+            f"trainer.run_dir={run_dir}",
+            "trainer.trackers=[]",
+            "trainer.resume_mode=disable",
+            "trainer.save_freq=-1",
+            f"trainer.total_training_steps={steps}",
+            f"trainer.test_freq={steps}",
+            "trainer.val_before_train=false",
+        ]
+    )
+    start = time.perf_counter()
+    result = Trainer(config).fit()
+    wall = time.perf_counter() - start
+    shutil.rmtree(run_dir, ignore_errors=True)
+    later = result.history[1:]
+    samples = sum(config.data.train_batch_size * config.rollout.n for _ in later)
+    seconds = sum(m["timing/step"] for m in later)
+    return {
+        "samples_per_s": samples / seconds,
+        "trainer_idle": statistics.mean(m["async/trainer_idle_fraction"] for m in later),
+        "rollout_idle": statistics.mean(m["async/rollout_idle_fraction"] for m in later),
+        "staleness": statistics.mean(m.get("async/staleness/mean", 0.0) for m in later),
+        "response_length": statistics.mean(m["response_length/mean"] for m in later),
+        "wall": wall,
+        "heldout": result.validation[-1][1]["val/reward/mean"] if result.validation else float("nan"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--models", default="tiny,smollm2")
+    parser.add_argument("--no-smollm2", action="store_true")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ray
+    from _common import smollm2_or_note
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    root = tempfile.mkdtemp(prefix="trellis-async-bench-")
+    models = [m for m in args.models.split(",") if m]
+    path, note = smollm2_or_note(args.no_smollm2 or "smollm2" not in models)
+    try:
+        for name in models:
+            if name == "smollm2" and path is None:
+                print(note)
+                continue
+            print(f"\n{name}: {args.steps} steps, 1 replica process + 1 trainer process, 1 thread each")
+            header = (
+                f"{'mode':<13}{'samples/s':>10}{'vs sync':>9}{'trainer idle':>14}{'replica idle':>14}"
+                f"{'staleness':>11}{'resp len':>10}{'wall s':>8}{'held-out':>10}"
+            )
+            print(header)
+            baseline = None
+            for mode in MODES:
+                r = run(name, mode, args.steps, root, path)
+                baseline = baseline or r
+                ratio = r["samples_per_s"] / baseline["samples_per_s"]
+                print(
+                    f"{mode:<13}{r['samples_per_s']:>10.1f}{ratio:>8.2f}x"
+                    f"{r['trainer_idle']:>14.2f}{r['rollout_idle']:>14.2f}{r['staleness']:>11.2f}"
+                    f"{r['response_length']:>10.1f}{r['wall']:>8.1f}{r['heldout']:>10.3f}",
+                    flush=True,
+                )
+    finally:
+        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
