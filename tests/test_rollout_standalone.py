@@ -196,12 +196,26 @@ def test_manager_sends_weights_through_the_engine_and_names_a_dead_replica(ray_c
 
         ray.kill(manager.replicas[1].actor)
         dead = manager.replicas[1]
+        _wait_exited(dead.pid)  # ray.kill only asks: a ping sent at once may still be answered
         with pytest.raises(RolloutReplicaError, match=rf"rollout replica 1 \(pid {dead.pid}\) is dead"):
             manager.health(timeout_s=20)
         with pytest.raises(RolloutReplicaError, match=r"rollout replica 1 .* is dead .* during generate"):
             _generate(dead)
     finally:
         manager.shutdown()
+
+
+def _wait_exited(pid, timeout=30.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs {timeout:g} s after ray.kill")
 
 
 def test_in_process_manager_streams_weights_and_sleeps(tmp_path):
