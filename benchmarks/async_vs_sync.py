@@ -39,24 +39,29 @@ MODES = {
 }
 
 
-def model_overrides(name: str, path: str | None) -> list[str]:
+LENGTHS = {"tiny": 64, "smollm2": 48}
+"""Default ``data.max_response_length`` per model: well above what most answers need (the long tail)."""
+
+
+def model_overrides(name: str, path: str | None, length: int | None) -> list[str]:
     """The preset of ``name`` with the long-tailed response lengths of this benchmark."""
     from trellis.recipes.presets import preset_overrides
 
+    length = length or LENGTHS[name]
     if name == "tiny":
-        return [*preset_overrides("tiny"), "data.max_response_length=64"]
+        return [*preset_overrides("tiny"), f"data.max_response_length={length}"]
     overrides = [o for o in preset_overrides("demo") if not o.startswith("rollout.mode=")]
-    return [*overrides, f"model.path={path}", "data.max_response_length=48"]
+    return [*overrides, f"model.path={path}", f"data.max_response_length={length}"]
 
 
-def run(name: str, mode: str, steps: int, root: str, path: str | None) -> dict[str, Any]:
+def run(name: str, mode: str, steps: int, root: str, path: str | None, length: int | None) -> dict[str, Any]:
     from trellis.config import load_config
     from trellis.trainer.ppo import Trainer
 
     run_dir = os.path.join(root, f"{name}-{mode}")
     config = load_config(
         overrides=[
-            *model_overrides(name, path),
+            *model_overrides(name, path, length),
             *MODES[mode],
             "rollout.mode=standalone",
             f"trainer.run_dir={run_dir}",
@@ -91,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--no-smollm2", action="store_true")
+    parser.add_argument(
+        "--max-response-length", type=int, default=None, help="instead of 64 (tiny) / 48 (smollm2)"
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import ray
@@ -107,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             if name == "smollm2" and path is None:
                 print(note)
                 continue
-            print(f"\n{name}: {args.steps} steps, 1 replica process + 1 trainer process, 1 thread each")
+            length = args.max_response_length or LENGTHS[name]
+            print(
+                f"\n{name}: {args.steps} steps, max_response_length {length}, 1 replica process + 1 trainer "
+                "process, 1 thread each"
+            )
             header = (
                 f"{'mode':<13}{'samples/s':>10}{'vs sync':>9}{'trainer idle':>14}{'replica idle':>14}"
                 f"{'staleness':>11}{'resp len':>10}{'wall s':>8}{'held-out':>10}"
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             print(header)
             baseline = None
             for mode in MODES:
-                r = run(name, mode, args.steps, root, path)
+                r = run(name, mode, args.steps, root, path, args.max_response_length)
                 baseline = baseline or r
                 ratio = r["samples_per_s"] / baseline["samples_per_s"]
                 print(
