@@ -400,10 +400,7 @@ class AgentWorkerPool:
         try:
             return await worker.generate_sequences.remote(prompts)
         except RayActorError as exc:
-            raise RolloutReplicaError(
-                f"an agent worker died during generate_sequences ({type(exc).__name__}); check its log "
-                "(ray logs)."
-            ) from exc
+            raise _worker_died("generate_sequences", exc) from exc
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         from ray.exceptions import RayActorError
@@ -413,9 +410,7 @@ class AgentWorkerPool:
         try:
             return list(import_ray().get(refs))
         except RayActorError as exc:
-            raise RolloutReplicaError(
-                f"an agent worker died during {what} ({type(exc).__name__}); check its log (ray logs)."
-            ) from exc
+            raise _worker_died(what, exc) from exc
 
     def shutdown(self) -> None:
         """Stop the worker processes."""
@@ -426,3 +421,9 @@ class AgentWorkerPool:
             for worker in self.workers:
                 ray.kill(worker)
             self.workers = []
+
+
+def _worker_died(what: str, exc: BaseException) -> RolloutReplicaError:
+    return RolloutReplicaError(
+        f"an agent worker died during {what} ({type(exc).__name__}); check its log (ray logs)."
+    )

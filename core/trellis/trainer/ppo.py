@@ -373,8 +373,7 @@ class Trainer:
                 groups, stream_metrics = stream.take(self.step)
             from trellis.rollout.agent_loop import concat_rollouts
 
-            batch = concat_rollouts(groups)
-            batch.meta_info.pop("metrics", None)
+            batch = concat_rollouts(groups)  # the stream took each group's agent metrics into its own
             metrics.update(stream_metrics)
             batch = self.train_batch(batch, None, metrics, timings)
             with marked_timer("weight_sync", timings):

@@ -258,9 +258,12 @@ class RolloutStream:
                 bisect.insort(self._regenerate, (number, prompt), key=lambda item: item[0])
                 self._regenerated += 1
             else:
-                self._dropped += 1
-                self.dropped_total += 1
+                self._count_drop()
         self._poke()
+
+    def _count_drop(self) -> None:
+        self._dropped += 1
+        self.dropped_total += 1
 
     def _metrics(
         self, groups: list[DataProto], replayed: list[DataProto], proximal: int, depth: int
@@ -387,8 +390,7 @@ class RolloutStream:
 
     def _discard_evicted(self, group: DataProto) -> None:
         self._prompts.pop(int(group.meta_info[GROUP_KEY]), None)
-        self._dropped += 1
-        self.dropped_total += 1
+        self._count_drop()
 
     def group_prompts(self, number: int, prompt: DataProto) -> DataProto:
         """Group ``number``'s prompt as the rows to generate: repeated ``group_size`` times, labelled
