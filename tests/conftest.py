@@ -79,3 +79,11 @@ def ray_cluster():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def calculator_model():
+    """``(tokenizer, model, tools)``: the tiny model taught to call the calculator (tests/_calculator.py)."""
+    from _calculator import train_calculator_model
+
+    return train_calculator_model()

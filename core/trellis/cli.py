@@ -277,6 +277,55 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a model through the OpenAI-compatible gateway until SIGINT / SIGTERM."""
+    import signal
+    import threading
+
+    from trellis.config import load_config
+
+    try:
+        from trellis.rollout.gateway import Gateway, start_gateway
+    except ImportError as exc:
+        print(
+            f"trellis serve needs the gateway extra: pip install 'trellis-rl[gateway]' ({exc}).",
+            file=sys.stderr,
+        )
+        return 2
+    from trellis.registries import rollout_replicas
+    from trellis.utils.tokenizer import hf_tokenizer
+
+    config = load_config(None, [f"model.path={args.model}", f"rollout.name={args.replica}", *args.overrides])
+    replica = rollout_replicas.get(args.replica)(0, config.rollout, config.model)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    gateway = Gateway(
+        hf_tokenizer(args.model),
+        replicas=[replica],
+        model_name=name,
+        tool_parser=args.tool_parser,
+        max_inflight=args.max_inflight,
+        auto_sessions=True,
+    )
+    running = start_gateway(gateway, host=args.host, port=args.port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        running.call(replica.init("standalone"))
+        print(f"Serving {name!r} ({args.replica} replica) at {running.base_url}", flush=True)
+        stop.wait()
+    finally:
+        try:
+            running.call(replica.shutdown(), timeout=60)
+        finally:
+            running.stop()
+    print("Stopped.", flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -329,6 +378,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--print-config", action="store_true", help="print the merged config with every default and exit"
     )
     train.set_defaults(func=cmd_train)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible API (evaluation, agents)",
+        description="Serve a model folder or exported checkpoint with a rollout replica behind the gateway "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /health; /sessions/<id>/v1 captures a "
+        "session's tokens, read back from /sessions/<id>/trajectories). key=value overrides set the "
+        "replica's config, e.g. rollout.engine_kwargs.hf.cpu_threads=2 or model.dtype=bfloat16.",
+    )
+    serve.add_argument("--model", required=True, metavar="PATH", help="a Hugging Face model folder")
+    serve.add_argument("--replica", default="hf", help="the rollout replica: hf, vllm, sglang or a plugin's")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback)")
+    serve.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    serve.add_argument("--served-model-name", help="the model name requests use (default: the folder's)")
+    serve.add_argument("--tool-parser", default="hermes", help="tool-call parser of the model's output")
+    serve.add_argument("--max-inflight", type=int, default=256, help="generations at once before 429")
+    serve.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
