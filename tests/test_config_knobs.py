@@ -59,7 +59,15 @@ DECOUPLED = ASYNC + "test_decoupled_objective_weights_tokens_by_proximal_over_be
 STREAM = "tests/test_rollout_stream.py::"
 HF_PARTIAL = "tests/test_rollout_hf_partial.py::"
 OVERLAP_CONFIG = "tests/test_config.py::test_overlapping_modes_derive_and_check_their_settings"
+REWARD_MODEL = "tests/test_reward_model.py::"
+JUDGE_CONFIG = REWARD_MODEL + "test_the_prompt_template_max_tokens_and_function_come_from_the_config"
+CLASSIFIER = REWARD_MODEL + "test_classifier_scores_are_the_label_0_logit_of_each_conversation"
+JUDGE_PLACEMENT = REWARD_MODEL + "test_only_a_colocated_generative_judge_is_served_by_the_trainer"
+COLOCATED_JUDGE = REWARD_MODEL + "test_colocated_judge_is_the_tiny_model_behind_the_gateway"
+JUDGED_RUN = REWARD_MODEL + "test_a_training_step_is_scored_by_the_external_judge"
+JUDGED_COLOCATED = REWARD_MODEL + "test_a_training_step_is_scored_by_a_colocated_judge"
 
+OPENAI_AGENT = "tests/test_openai_agent.py::"
 KNOBS: dict[str, tuple[str, ...]] = {
     # ---------------------------------------------------------------- data
     "data.train_files": (RUN_DATA,),
@@ -302,6 +310,15 @@ KNOBS: dict[str, tuple[str, ...]] = {
         AGENT + "test_tool_responses_are_truncated_on_the_configured_side",
     ),
     "rollout.agent.tool_timeout_s": (AGENT + "test_tool_failures_reach_the_model_as_errors_and_metrics",),
+    "rollout.agent.function": (
+        OPENAI_AGENT + "test_an_openai_sdk_agent_with_a_python_tool_trains_on_exact_tokens",
+    ),
+    "rollout.agent.function_timeout_s": (
+        OPENAI_AGENT + "test_failures_and_timeouts_end_their_sample_with_reward_zero",
+    ),
+    "rollout.agent.function_concurrency": (
+        OPENAI_AGENT + "test_function_concurrency_bounds_the_calls_at_once",
+    ),
     "rollout.engine_kwargs": (
         "tests/test_rollout_hf.py::test_max_batch_size_splits_batches",
         "tests/test_rollout_hf.py::test_cpu_threads_setting",
@@ -325,6 +342,23 @@ KNOBS: dict[str, tuple[str, ...]] = {
         TRAINER + "test_tool_rewards_enter_the_score_where_the_placement_says",
         "tests/test_reward_scoring.py::test_tool_rewards_are_weighted_onto_the_last_model_token",
     ),
+    "reward.model.path": (JUDGE_CONFIG, CLASSIFIER, COLOCATED_JUDGE, JUDGED_COLOCATED),
+    "reward.model.kind": (CLASSIFIER, JUDGE_PLACEMENT),
+    "reward.model.placement": (JUDGE_PLACEMENT, JUDGED_RUN, JUDGED_COLOCATED),
+    "reward.model.base_url": (
+        REWARD_MODEL + "test_failures_and_timeouts_score_zero_and_are_counted",
+        JUDGED_RUN,
+    ),
+    "reward.model.replica": (JUDGE_PLACEMENT,),
+    "reward.model.prompt_template": (JUDGE_CONFIG,),
+    "reward.model.function": (
+        JUDGE_CONFIG,
+        REWARD_MODEL + "test_an_unknown_judge_function_fails_when_the_manager_is_built",
+    ),
+    "reward.model.timeout_seconds": (REWARD_MODEL + "test_failures_and_timeouts_score_zero_and_are_counted",),
+    "reward.model.max_concurrency": (REWARD_MODEL + "test_requests_are_concurrent_up_to_max_concurrency",),
+    "reward.model.micro_batch_size": (CLASSIFIER,),
+    "reward.model.max_tokens": (JUDGE_CONFIG, COLOCATED_JUDGE),
     # ---------------------------------------------------------------- algorithm
     "algorithm.adv_estimator": (TRAINER + "test_every_builtin_estimator_trains", OBJECTIVE),
     "algorithm.gamma": (OBJECTIVE, ADVANTAGE + "test_gae_hand_computed_with_a_tool_hole"),

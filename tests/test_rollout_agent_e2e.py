@@ -12,57 +12,14 @@ import json
 
 import pytest
 import torch
+from _calculator import CALL, QUESTION
 
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.data.dataset import RLDataset
-from trellis.recipes.tiny import build_tiny_model, build_tiny_tokenizer
 from trellis.reward.managers import NaiveRewardManager
 from trellis.rollout.agent_loop import AgentLoopManager
 from trellis.rollout.chat import ChatTemplate
 from trellis.rollout.hf import HFRolloutReplica
-from trellis.tools.base import load_tools
-
-QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 2"}}</tool_call>'
-TOOLS = [
-    {
-        "name": "calculator",
-        "schema": {
-            "type": "function",
-            "function": {
-                "name": "calculator",
-                "description": "calc",
-                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-            },
-        },
-    }
-]
-
-
-@pytest.fixture(scope="module")
-def trained():
-    """The tiny model taught to call the calculator, then answer with its result."""
-    tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, seed=0)
-    tools = load_tools(TOOLS)
-    chat = ChatTemplate(tok)
-    prompt = chat.prompt_ids(QUESTION, list(tools.values()))
-    turn1 = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    between = chat.continuation_ids([{"role": "tool", "content": "4"}])
-    turn2 = tok("The answer is 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    seq = torch.tensor([prompt + turn1 + between + turn2])
-    labels = seq.clone()
-    labels[0, : len(prompt)] = -100
-    labels[0, len(prompt) + len(turn1) : len(prompt) + len(turn1) + len(between)] = -100
-    torch.manual_seed(0)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(300):
-        loss = model(input_ids=seq, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 0.01, f"fine-tuning did not converge (loss {loss.item():.4f})"
-    return tok, model.eval(), tools
 
 
 def write_data(path, agent_names):
@@ -77,6 +34,11 @@ def write_data(path, agent_names):
             }
             f.write(json.dumps(row) + "\n")
     return str(path)
+
+
+@pytest.fixture
+def trained(calculator_model):
+    return calculator_model
 
 
 def rollout(tok, model, tools, data, **cfg):

@@ -160,3 +160,39 @@ def test_decoupled_objective_weights_tokens_by_proximal_over_behaviour(tmp_path)
     )
     for metrics in capped.history:  # every weight is about 1: all above the cap, all left out
         assert metrics["off_policy/capped_fraction"] == 1.0 and metrics["off_policy/is_weight/mean"] == 0.0
+
+
+class _Replicas:
+    world_size = 1
+
+
+def _bare_trainer(executor="local", own_ray=True, device="cpu"):
+    from types import SimpleNamespace
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.config = SimpleNamespace(trainer=SimpleNamespace(executor=executor, device=device))
+    trainer._own_ray, trainer._threads_before, trainer.replicas = own_ray, None, _Replicas()
+    return trainer
+
+
+def test_local_cpu_training_leaves_the_replicas_their_cores(monkeypatch):
+    monkeypatch.delenv("TRELLIS_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    torch.set_num_threads(4)
+    try:
+        trainer = _bare_trainer()
+        trainer._leave_cores_to_replicas()
+        assert torch.get_num_threads() == 3  # 4 cores, 1 replica thread
+        assert trainer._threads_before == 4
+        trainer.groups = []
+        trainer._stop_overlap = lambda: None
+        trainer._shutdown()
+        assert torch.get_num_threads() == 4  # restored
+        for kwargs in ({"executor": "ray"}, {"own_ray": False}, {"device": "cuda"}):
+            _bare_trainer(**kwargs)._leave_cores_to_replicas()
+            assert torch.get_num_threads() == 4, kwargs
+        monkeypatch.setenv("TRELLIS_NUM_THREADS", "4")
+        _bare_trainer()._leave_cores_to_replicas()
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(1)

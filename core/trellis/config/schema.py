@@ -14,6 +14,7 @@ are registry names or references; they are looked up when the run is built, not 
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -470,6 +471,24 @@ class AgentConfig(BaseConfig):
     tool_timeout_s: float = knob(
         30.0, "Seconds one tool call may run before the model is told it timed out.", gt=0
     )
+    function: str | None = knob(
+        None,
+        "The openai_agent loop's agent: 'package.module:fn' or './file.py:fn', called as fn(base_url, "
+        "sample) (async or not) with an OpenAI base URL that captures the sample's tokens; it returns "
+        "the reward, a dict with 'reward' and other metrics, or None to let reward.function score it.",
+    )
+    function_timeout_s: float = knob(
+        300.0,
+        "Seconds one agent function call may run; one that overruns or raises ends its sample with reward "
+        "0 (counted in agent/function_timeouts, agent/function_errors), never the run.",
+        gt=0,
+    )
+    function_concurrency: int = knob(
+        64,
+        "Agent function calls running at once per agent worker, each in a thread of its own (so blocking "
+        "clients such as openai.OpenAI work).",
+        ge=1,
+    )
 
 
 @dataclass
@@ -629,6 +648,144 @@ def _check_sampling(cfg: RolloutConfig | ValidationSamplingConfig) -> None:
 # ---------------------------------------------------------------- reward and algorithm
 
 
+DEFAULT_JUDGE_TEMPLATE = (
+    "You are grading a response to a task.\n\n"
+    "Task:\n{prompt}\n\n"
+    "Response:\n{response}\n\n"
+    "Reference answer (may be empty):\n{ground_truth}\n\n"
+    "Rate the response from 0 (wrong or useless) to 10 (correct and complete). "
+    "End your reply with a line of the form 'Score: <0-10>'."
+)
+"""The default ``reward.model.prompt_template``: asks the judge for a final ``Score: N`` (0-10) line,
+which the ``judge_score`` reward function reads."""
+
+
+@dataclass
+class RewardModelConfig(BaseConfig):
+    """A reward model that scores responses: a judge LLM reached over an OpenAI-compatible API
+    (``kind: generative``) or a sequence classifier (``kind: classifier``). Off while both ``path`` and
+    ``base_url`` are null. With ``reward.function`` null the model's score is the reward; with both set,
+    the two scores are added."""
+
+    path: str | None = knob(
+        None,
+        "The reward model, a Hugging Face hub id or a local folder. generative colocated: the judge the "
+        "trainer serves; generative external: the model name sent with each request (null = the server's "
+        "first listed model); classifier: an AutoModelForSequenceClassification. null (and base_url null) "
+        "= no reward model.",
+    )
+    kind: Literal["generative", "classifier"] = knob(
+        "generative",
+        "generative: a judge LLM writes a verdict that reward.model.function turns into the score. "
+        "classifier: the score is the logit of label 0 of a sequence-classification model, run in the "
+        "process that scores (see reward.placement).",
+    )
+    placement: Literal["colocated", "external"] = knob(
+        "colocated",
+        "Where a generative judge runs: colocated (a replica in the trainer's process, served by the "
+        "Trellis gateway on 127.0.0.1) or external (an OpenAI-compatible server already running at "
+        "base_url). A classifier always runs where reward.placement scores.",
+    )
+    base_url: str | None = knob(
+        None,
+        "external: the server's OpenAI-compatible API root, e.g. http://judge-host:8000/v1 (requests go "
+        "to {base_url}/chat/completions). colocated: leave null; it holds the gateway's address while "
+        "the run is on.",
+    )
+    replica: str = knob(
+        "hf",
+        "colocated: the rollout replica that serves the judge, a name in trellis.rollout_replicas. hf "
+        "runs anywhere.",
+    )
+    prompt_template: str = knob(
+        DEFAULT_JUDGE_TEMPLATE,
+        "The judge's prompt, one user message: a Python format string with {prompt}, {response} and "
+        "{ground_truth} (write literal braces as {{ }}). The default asks for a final 'Score: <0-10>'.",
+    )
+    function: str = knob(
+        "judge_score",
+        "Turns the judge's reply into the score: a name in trellis.reward_functions or a reference, "
+        "called as fn(data_source, solution_str=<the reply>, ground_truth, extra_info). judge_score "
+        "reads the last 'Score: N' (else the last number) and maps 0-10 to 0-1.",
+    )
+    timeout_seconds: float = knob(
+        60.0,
+        "Longest one judge request may take, in seconds; past it the sample scores 0 and counts in "
+        "reward/model_timeouts. 60 allows a long verdict from a busy server.",
+        gt=0,
+    )
+    max_concurrency: int = knob(
+        16,
+        "Judge requests in flight at once. 16 keeps a server's batch full without queueing a whole step.",
+        ge=1,
+    )
+    micro_batch_size: int = knob(
+        8, "classifier: responses per forward pass. 8 bounds memory for long responses.", ge=1
+    )
+    max_tokens: int = knob(
+        256, "Longest judge reply, in tokens. 256 leaves room for a short rationale before the score.", ge=1
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a reward model scores the run: ``path`` or ``base_url`` is set."""
+        return self.path is not None or self.base_url is not None
+
+    def finalize(self) -> None:
+        for key in ("path", "base_url", "replica", "function"):
+            value = getattr(self, key)
+            if value is not None and not value.strip():
+                unset = " Use null to leave it unset." if key in ("path", "base_url") else ""
+                raise ConfigValueError(key, value, "must not be empty", hint=unset)
+        if self.kind == "classifier":
+            if self.placement == "external" or self.base_url is not None:
+                key = "placement" if self.placement == "external" else "base_url"
+                raise ConfigValueError(
+                    key,
+                    getattr(self, key),
+                    "is for generative judges: a classifier ({p}kind=classifier) runs in the process "
+                    "that scores",
+                    hint=" Leave reward.model.placement at colocated and base_url null, and set path.",
+                )
+        elif self.placement == "colocated" and self.base_url is not None:
+            raise ConfigValueError(
+                "base_url",
+                self.base_url,
+                "must be null with {p}placement=colocated: the trainer serves that judge itself",
+                hint=" To use a server already running, set reward.model.placement=external.",
+            )
+        elif self.placement == "external" and self.enabled and self.base_url is None:
+            raise ConfigValueError(
+                "base_url",
+                None,
+                "must be set with {p}placement=external: the address of the judge's OpenAI-compatible API",
+                hint=" E.g. reward.model.base_url=http://127.0.0.1:8000/v1, or placement=colocated.",
+            )
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
+            raise ConfigValueError(
+                "base_url", self.base_url, "must be an http:// or https:// URL, e.g. http://host:8000/v1"
+            )
+        try:
+            parsed = string.Formatter().parse(self.prompt_template)
+            fields = {name or "{}" for _, name, _, _ in parsed if name is not None}
+            problem = None
+        except ValueError as exc:  # a lone brace
+            fields, problem = set(), f"does not parse ({exc})"
+        unknown = sorted(fields - {"prompt", "response", "ground_truth"})
+        if problem is None and unknown:
+            problem = f"names {', '.join(unknown)}"
+        elif problem is None and "response" not in fields:
+            problem = "lacks {response}"
+        if problem is not None:
+            raise ConfigValueError(
+                "prompt_template",
+                self.prompt_template,
+                f"must be a format string with {{response}} (the text to judge) and optionally {{prompt}} "
+                f"and {{ground_truth}}, but it {problem}",
+                hint=" Write literal braces as {{ and }}.",
+            )
+
+
 @dataclass
 class RewardConfig(BaseConfig):
     """How responses are scored."""
@@ -665,6 +822,9 @@ class RewardConfig(BaseConfig):
         1.0,
         "Weight of the tools' rewards (step rewards plus calc_reward at the end of a trajectory) added to "
         "each sample's score, on its last model token; logged as reward/tool. 0 = tools only inform.",
+    )
+    model: RewardModelConfig = section(
+        RewardModelConfig, "A reward model (LLM judge or classifier) scoring responses; off by default."
     )
 
 

@@ -14,6 +14,7 @@ from trellis.reward.builtin import (
     exact_match_score,
     format_score,
     gsm8k_score,
+    judge_score,
     math_score,
 )
 from trellis.reward.resolve import resolve_reward_function
@@ -23,6 +24,7 @@ _LAZY: dict[str, str] = {
     "NaiveRewardManager": "trellis.reward.managers:NaiveRewardManager",
     "BatchRewardManager": "trellis.reward.managers:BatchRewardManager",
     "AsyncRewardManager": "trellis.reward.managers:AsyncRewardManager",
+    "ModelRewardManager": "trellis.reward.model:ModelRewardManager",
 }
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "exact_match_score",
     "format_score",
     "gsm8k_score",
+    "judge_score",
     "math_score",
     "resolve_reward_function",
     *_LAZY,

@@ -324,6 +324,40 @@ def format_score(
     return 1.0 if regex.fullmatch(solution_str.strip()) else 0.0
 
 
+# ---------------------------------------------------------------- judge verdicts
+
+_JUDGE_SCORE_RE = re.compile(r"score\s*\**\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+_JUDGE_OUT_OF_RE = re.compile(r"(-?\d+(?:\.\d+)?)\s*(?:/|out\s+of)\s*10(?![\d.])", re.IGNORECASE)
+_JUDGE_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def parse_judge_score(text: str) -> float | None:
+    """The 0-10 grade a judge's reply gives, or None when it holds no number.
+
+    Reads, in order: the last ``Score: N`` (any case, ``=`` or ``:``, Markdown bold allowed), the last
+    ``N/10`` or ``N out of 10``, the last number anywhere. ``"... Score: 7/10"`` -> 7.0.
+    """
+    for form in (_JUDGE_SCORE_RE, _JUDGE_OUT_OF_RE, _JUDGE_NUMBER_RE):
+        found = form.findall(text)
+        if found:
+            return float(found[-1])
+    return None
+
+
+def judge_score(
+    data_source: Any, solution_str: str, ground_truth: Any = None, extra_info: dict | None = None
+) -> float:
+    """A judge model's verdict as a reward in [0, 1]: its 0-10 grade (:func:`parse_judge_score`) / 10.
+
+    ``solution_str`` is the judge's reply (``reward.model`` calls it that way), not the policy's
+    response. Grades outside 0-10 are clipped; a reply without a number scores 0.0.
+    """
+    grade = parse_judge_score(solution_str)
+    if grade is None:
+        return 0.0
+    return min(max(grade, 0.0), 10.0) / 10.0
+
+
 # ---------------------------------------------------------------- dispatch by data_source
 
 DATA_SOURCES: dict[str, Callable[..., Any]] = {

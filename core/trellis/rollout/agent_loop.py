@@ -18,6 +18,10 @@ one ``DataProto`` ready for the trainer::
 A sample's loop is named by its ``agent_name`` column, else ``rollout.agent.default_agent_loop``.
 Replicas are assigned least-loaded first (fewest running samples), and a sample keeps its replica.
 
+A loop may return a list of outputs: its prompt then became several samples (the ``openai_agent``
+loop, when an agent rewrote its history), each a row carrying the prompt's columns (its ``uid``
+included), so the batch has more rows than prompts.
+
 Output ``DataProto`` (``bs`` samples, ``P`` longest prompt, ``R`` longest response in the batch):
 
 - ``prompts`` (bs, P) left-padded, ``responses`` (bs, R) right-padded, ``input_ids`` (bs, P + R)
@@ -195,8 +199,11 @@ class AgentLoop(abc.ABC):
         self.tools = dict(tools or {})
 
     @abc.abstractmethod
-    async def run(self, sampling_params: SamplingParams, **sample: Any) -> AgentLoopOutput:
-        """Produce the response to ``sample``; ``sampling_params.max_tokens`` bounds all turns together."""
+    async def run(
+        self, sampling_params: SamplingParams, **sample: Any
+    ) -> AgentLoopOutput | list[AgentLoopOutput]:
+        """Produce the response to ``sample``; ``sampling_params.max_tokens`` bounds all turns together.
+        A list: the prompt became several samples (rows of the batch with the prompt's columns)."""
 
     def prompt_ids(self, sample: Mapping[str, Any], tools: Sequence[Any] | None = None) -> list[int]:
         """The sample's prompt tokens: ``raw_prompt`` through the chat template (with ``tools``' schemas)
@@ -343,7 +350,7 @@ class AgentLoopManager:
         for name in dict.fromkeys(names):
             self.loop_class(name)  # unknown names fail before any generation starts
 
-        async def one(i: int) -> AgentLoopOutput:
+        async def one(i: int) -> list[AgentLoopOutput]:
             request_id = uuid.uuid4().hex
             sample_params = params
             if seed is not None and params.temperature > 0:
@@ -358,14 +365,20 @@ class AgentLoopManager:
                 out = await loop.run(sample_params, **samples[i])
             finally:
                 self.router.release(request_id)
-            if not isinstance(out, AgentLoopOutput):
+            outs: list[Any] = list(out) if isinstance(out, list | tuple) else [out]
+            if not outs or not all(isinstance(o, AgentLoopOutput) for o in outs):
                 raise TypeError(
                     f"agent loop {names[i]!r} returned {type(out).__name__}; run() must return an "
-                    "AgentLoopOutput."
+                    "AgentLoopOutput (or a non-empty list of them, one per sample the prompt became)."
                 )
-            return out
+            return outs
 
-        outputs = await asyncio.gather(*(one(i) for i in range(size)))
+        per_prompt = await asyncio.gather(*(one(i) for i in range(size)))
+        rows = [i for i, outs in enumerate(per_prompt) for _ in outs]
+        outputs = [o for outs in per_prompt for o in outs]
+        if len(rows) != size:  # some prompts became several samples: each row keeps its prompt's columns
+            prompts = prompts[rows]
+            names = [names[i] for i in rows]
         return self._collate(prompts, outputs, names)
 
     def _sample(self, prompts: DataProto, i: int) -> dict[str, Any]:

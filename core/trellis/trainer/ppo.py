@@ -83,6 +83,7 @@ class Trainer:
         self.run_dir = os.path.abspath(config.trainer.run_dir)
         self.groups: list[Any] = []
         self._own_ray = False  # whether this trainer started the Ray cluster (and stops it)
+        self._threads_before: int | None = None
         self.replicas: Any = None
         """The standalone replicas' :class:`~trellis.rollout.manager.ReplicaManager`
         (rollout.mode=standalone); None when each training worker owns its replica."""
@@ -208,6 +209,7 @@ class Trainer:
 
         self._start_ray()
         self.replicas = ReplicaManager.start_standalone(cfg, env=self.worker_env)
+        self._leave_cores_to_replicas()
         self.rollout_has_own_weights = True
         plan = self.actor_wg.plan_rollout_sync(self.replicas.world_size)[0]
         trainer_kwargs, rollout_kwargs = plan
@@ -216,6 +218,37 @@ class Trainer:
         )
         self.agent_workers = AgentWorkerPool(cfg, self.replicas, self.tokenizer, env=self.worker_env)
         self.sync_weights()
+
+    def _leave_cores_to_replicas(self) -> None:
+        """One machine, CPU training in this process (executor local, a Ray cluster this trainer
+        started) beside standalone replicas of one thread each: train with the cores they leave.
+
+        torch's default is one intra-op thread per core, so training would otherwise run as many
+        OpenMP threads as cores next to the replicas' threads, and oversubscribed OpenMP barriers slow
+        both several-fold. ``TRELLIS_NUM_THREADS`` set in the environment wins.
+        """
+        cfg = self.config
+        if (
+            cfg.trainer.executor != "local"
+            or not self._own_ray
+            or "TRELLIS_NUM_THREADS" in os.environ
+            or cfg.trainer.device not in ("auto", "cpu")
+            or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+        ):
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        replicas = self.replicas.world_size if self.replicas is not None else 0
+        threads = max(1, cores - replicas)
+        if threads < torch.get_num_threads():
+            logger.info(
+                "Training with %d torch threads: %d of this machine's %d cores run standalone replicas "
+                "(set TRELLIS_NUM_THREADS to choose).",
+                threads,
+                replicas,
+                cores,
+            )
+            self._threads_before = torch.get_num_threads()  # restored by _shutdown
+            torch.set_num_threads(threads)
 
     def _build_trackers(self) -> None:
         from trellis.config.loader import to_dict
@@ -239,8 +272,16 @@ class Trainer:
         seed_process(cfg.trainer.seed)
         hooks = get_plugin_manager().hook
         self._build_data()
-        self._build_workers()
-        self._build_rollout()
+        from trellis.trainer.judge import start_judge
+
+        try:
+            # reward.model colocated: its replica and gateway, before any reward manager is built
+            self.judge = start_judge(cfg)
+            self._build_workers()
+            self._build_rollout()
+        except BaseException:  # what started before the failure (judge, workers, replicas, Ray) stops
+            self._shutdown()
+            raise
         self.reward_manager = None  # reward.placement=driver: the driver scores
         if cfg.reward.placement == "driver":
             from trellis.trainer.workers import build_reward_manager
@@ -476,7 +517,11 @@ class Trainer:
                 greedy, _ = self.score(greedy)
                 batch.tensors["reward_baselines"] = _baselines(greedy, cfg.rollout.n)
         metrics.update(reward_metrics)
-        if self.recompute_old_log_probs:
+        rows = len(batch)
+        batch = _pad_to_multiple(batch, self.world_size)
+        # a batch with more rows than one mini-batch (agent loops that split a prompt into several samples)
+        # takes several optimizer steps, so even an on-policy config needs the old log-probs then
+        if self.recompute_old_log_probs or len(batch) > cfg.actor.ppo_mini_batch_size * cfg.rollout.n:
             with marked_timer("old_log_prob", timings):
                 batch = batch.union(self.actor_wg.compute_log_prob(batch))
             entropy = masked_mean(batch.tensors["entropys"], batch.tensors["response_mask"].float())
@@ -494,7 +539,7 @@ class Trainer:
                 metrics.update(M.mean_metrics(self.critic_wg.update_critic(batch)))
         with marked_timer("update_actor", timings):
             metrics.update(M.mean_metrics(self.actor_wg.update_actor(batch)))
-        return batch
+        return batch[:rows] if len(batch) != rows else batch
 
     def _step_metrics(
         self,
@@ -572,7 +617,9 @@ class Trainer:
         counts = sum_counts(scored.meta_info.pop("metrics", {}) or {})
         batch = batch.union(scored)
         metrics: dict[str, float] = {
-            k: counts[k] for k in ("reward/errors", "reward/timeouts") if k in counts
+            k: counts[k]
+            for k in ("reward/errors", "reward/timeouts", "reward/model_errors", "reward/model_timeouts")
+            if k in counts
         }
         if "reward/tool_sum" in counts:
             metrics["reward/tool"] = counts["reward/tool_sum"] / max(1.0, counts["reward/scored"])
@@ -827,6 +874,12 @@ class Trainer:
 
     def _shutdown(self) -> None:
         self._stop_overlap()
+        judge, self.judge = getattr(self, "judge", None), None
+        if judge is not None:  # the colocated reward-model judge (trellis.trainer.judge)
+            try:
+                judge.stop()
+            except Exception:
+                logger.exception("Could not stop the reward-model judge.")
         close = getattr(getattr(self, "reward_manager", None), "close", None)
         if close is not None:  # the async manager's scoring processes (reward.placement=driver)
             close()
@@ -855,11 +908,30 @@ class Trainer:
 
             ray.shutdown()
             self._own_ray = False
+        if self._threads_before is not None:  # _leave_cores_to_replicas lowered them
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
 
 def _worker_mean(metrics: dict[str, Any]) -> dict[str, float]:
     """Metrics gathered from several workers (a list per key after ``DataProto.concat``) as means."""
     return {k: float(np.mean(v)) if isinstance(v, list | tuple) else float(v) for k, v in metrics.items()}
+
+
+def _pad_to_multiple(batch: DataProto, workers: int) -> DataProto:
+    """``batch`` with rows appended until the workers can share it evenly: copies of its first row with
+    nothing to train on (``response_mask`` and rewards 0, a uid of their own), which every loss, advantage
+    and count ignores (``global_batch_info`` counts rows with a masked-in token). Unchanged when it
+    divides already, as it does unless an agent loop split prompts into several samples."""
+    missing = -len(batch) % workers
+    if not missing:
+        return batch
+    pad = batch[[0] * missing]
+    for key in ("response_mask", "token_level_scores", "token_level_rewards", "rm_scores"):
+        if key in pad.tensors:
+            pad.tensors[key] = torch.zeros_like(pad.tensors[key])
+    pad.non_tensor_batch["uid"] = np.array([f"__pad__-{i}" for i in range(missing)], dtype=object)
+    return DataProto.concat([batch, pad])
 
 
 def _numbered(batch: DataProto) -> DataProto:

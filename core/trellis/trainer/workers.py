@@ -496,14 +496,27 @@ def _load_shard(path: str, role: str, engine: Any, rank: int) -> None:
 
 
 def build_reward_manager(config: Any, tokenizer: Any, reward_fn: Any = None) -> Any:
-    """The reward manager ``reward.manager`` names, built from the run's config (driver or worker)."""
+    """The reward manager ``reward.manager`` names, built from the run's config (driver or worker).
+
+    With ``reward.model`` on, a :class:`~trellis.reward.model.ModelRewardManager`: the model's score
+    alone when neither ``reward.function`` nor ``reward_fn`` is set, else the sum of both."""
     from trellis.registries import reward_managers
 
-    return reward_managers.get(config.reward.manager)(
-        tokenizer,
-        compute_score=reward_fn if reward_fn is not None else config.reward.function,
-        reward_fn_key=config.data.reward_fn_key,
-        timeout_seconds=config.reward.timeout_seconds,
-        num_workers=config.reward.num_workers,
-        **dict(config.reward.function_kwargs or {}),
-    )
+    model = getattr(config.reward, "model", None)
+    with_model = model is not None and model.enabled
+    rule = None
+    if not with_model or reward_fn is not None or config.reward.function is not None:
+        rule = reward_managers.get(config.reward.manager)(
+            tokenizer,
+            compute_score=reward_fn if reward_fn is not None else config.reward.function,
+            reward_fn_key=config.data.reward_fn_key,
+            timeout_seconds=config.reward.timeout_seconds,
+            num_workers=config.reward.num_workers,
+            **dict(config.reward.function_kwargs or {}),
+        )
+    if not with_model:
+        return rule
+    from trellis.reward.model import build_model_reward_manager
+
+    trust = bool(config.model.trust_remote_code)
+    return build_model_reward_manager(model, tokenizer, rule, device=_device(config), trust_remote_code=trust)
