@@ -213,7 +213,9 @@ def _merge_lora(
 
     import torch
     from peft import LoraConfig, TaskType, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from trellis.utils.auto_model import policy_auto_class
 
     path = os.fspath(base_model) if base_model is not None else settings.get("base_model")
     if not path:
@@ -224,9 +226,9 @@ def _merge_lora(
     layers = sorted({layer for name in shards[0] if (layer := _adapted_module(name)) is not None})
     saved = sorted({module for name in shards[0] if (module := _saved_module(name)) is not None})
     value_model = role == "critic"
-    auto_class: Any = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
     try:
         base_config = AutoConfig.from_pretrained(path)
+        auto_class: Any = AutoModelForTokenClassification if value_model else policy_auto_class(base_config)
         if value_model:  # the engine's value model (trellis.engine.models.load_model); its head is saved
             base_config.num_labels, base_config.classifier_dropout = 1, 0.0
         base = auto_class.from_pretrained(path, config=base_config, dtype=torch.float32)
@@ -312,13 +314,15 @@ def _role_state(states: Any, role: str, ckpt_dir: str, rank: int) -> dict[str, A
 def _meta_model(config_dir: str, role: str, ckpt_dir: str) -> Any:
     """The architecture of ``config_dir`` on the meta device (shapes only, no memory)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from trellis.utils.auto_model import policy_auto_class
 
     try:
         config = AutoConfig.from_pretrained(config_dir)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"The config of checkpoint {ckpt_dir!r} does not load: {exc}") from exc
-    auto_class: type[AutoModelForCausalLM | AutoModelForTokenClassification] = AutoModelForCausalLM
+    auto_class: Any = policy_auto_class(config)
     if role == "critic":  # the engine's value model (trellis.engine.models.load_model)
         config.num_labels = 1
         config.classifier_dropout = 0.0

@@ -88,6 +88,25 @@ class DataConfig(BaseConfig):
         "Data-loader worker processes. 0 = load in the training process: starts fastest, enough for text.",
         ge=0,
     )
+    image_key: str = knob(
+        "images",
+        "Column holding each row's images (a list; bytes, {bytes, path} structs, paths, URLs or PIL images). "
+        "Read only for a vision-language model (one with a multimodal processor).",
+    )
+    video_key: str = knob(
+        "videos",
+        "Column holding each row's videos (a list; each a list of frames, a (T, H, W, 3) array or an "
+        "animated image). Video processors need torchvision.",
+    )
+    image_max_pixels: int | None = knob(
+        None,
+        "Resize larger images and video frames (aspect ratio kept) to at most this many pixels. null = no "
+        "limit beyond the processor's own.",
+        ge=1,
+    )
+    image_min_pixels: int | None = knob(
+        None, "Resize smaller images and video frames up to at least this many pixels. null = no limit.", ge=1
+    )
 
 
 @dataclass

@@ -106,10 +106,20 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
         chat_template_kwargs: extra arguments to ``apply_chat_template`` (e.g. ``enable_thinking``).
         return_raw_chat: also return the messages as ``raw_prompt`` (for agent loops and tools).
         max_samples: keep only the first N rows (None = all).
+        processor: the model's multimodal processor (``hf_processor``); needed when rows have images
+            or videos, which go through it with the chat template (:mod:`trellis.data.multimodal`).
+        image_key / video_key: the columns holding each row's list of images / videos.
+        image_max_pixels / image_min_pixels: resize images and video frames (aspect ratio kept) so that
+            ``width * height`` lies within these (None = no limit).
 
     Each item is a dict: ``input_ids`` (1-D LongTensor, unpadded), ``raw_prompt_ids`` (list of
     ints), ``index`` (row number over all files), ``raw_prompt`` (if asked), and every other
-    column of the row (``data_source``, ``reward_model``, ``extra_info``, ...).
+    column of the row (``data_source``, ``reward_model``, ``extra_info``, ...). With a ``processor``,
+    also ``multi_modal_data`` (``{"image": [...], "video": [...]}``, the loaded items) and
+    ``multi_modal_inputs`` (the processor's tensors: ``pixel_values``, ``image_grid_thw``, ...), both
+    empty for a row without items, in place of the image and video columns; the prompt ids hold one
+    pad token per image token. Items are decoded when the dataset is built (to count the prompt's
+    tokens) and again per item read, so memory holds the rows' encoded bytes, not pixels.
 
     Raises:
         DatasetError: a file is missing or malformed; a row lacks the prompt column or has a
@@ -130,6 +140,11 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
         chat_template_kwargs: dict[str, Any] | None = None,
         return_raw_chat: bool = False,
         max_samples: int | None = None,
+        processor: Any = None,
+        image_key: str = "images",
+        video_key: str = "videos",
+        image_max_pixels: int | None = None,
+        image_min_pixels: int | None = None,
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r} is not one of {', '.join(TRUNCATION_MODES)}.")
@@ -145,6 +160,9 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
             apply_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.apply_chat_template = apply_chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.processor = processor
+        self.image_key, self.video_key = image_key, video_key
+        self.pixel_limits = {"max_pixels": image_max_pixels, "min_pixels": image_min_pixels}
 
         rows: list[dict[str, Any]] = []
         where: list[str] = []
@@ -168,6 +186,9 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 )
             prompts.append(_messages(row[prompt_key], location, prompt_key, apply_chat_template))
         token_ids = self._tokenize(prompts)
+        for i, (row, location) in enumerate(zip(rows, where, strict=True)):
+            if self._has_items(row, location):  # the prompt with its images through the processor
+                prompts[i], token_ids[i] = self._vision_prompt(row, prompts[i], location)
 
         self.rows: list[dict[str, Any]] = []
         self.prompt_ids: list[list[int]] = []
@@ -187,6 +208,7 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
                     )
                 ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
             sample = {k: v for k, v in row.items() if k != prompt_key}
+            sample["__where__"] = location
             sample["index"] = index
             if return_raw_chat:
                 sample["raw_prompt"] = prompt
@@ -204,10 +226,59 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 f"Every prompt in {self.data_files} is longer than max_prompt_length={max_prompt_length}."
             )
 
+    def _has_items(self, row: dict[str, Any], location: str) -> bool:
+        present = [key for key in (self.image_key, self.video_key) if _items(row.get(key))]
+        if present and self.processor is None:
+            raise DatasetError(
+                f"{location}: column {present[0]!r} holds images or videos, but the model has no multimodal "
+                "processor (model.path names a text-only model); use a vision-language model, or drop the "
+                "column (data.image_key / data.video_key name the columns read)."
+            )
+        return bool(present)
+
+    def _items(self, row: dict[str, Any], location: str) -> tuple[list[Any], list[Any]]:
+        from trellis.data import multimodal
+
+        images = [
+            multimodal.load_image(
+                item, where=f"{location}, column {self.image_key!r}, item {i}", **self.pixel_limits
+            )
+            for i, item in enumerate(_items(row.get(self.image_key)))
+        ]
+        videos = [
+            multimodal.load_video(
+                item, where=f"{location}, column {self.video_key!r}, item {i}", **self.pixel_limits
+            )
+            for i, item in enumerate(_items(row.get(self.video_key)))
+        ]
+        return images, videos
+
+    def _vision_prompt(self, row: dict[str, Any], prompt: Any, location: str) -> tuple[Any, list[int]]:
+        """The row's messages with content parts for its items, and their token ids."""
+        from trellis.data import multimodal
+
+        images, videos = self._items(row, location)
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        messages = multimodal.vision_messages(
+            messages, len(images), len(videos), where=f"{location}, column {self.prompt_key!r}"
+        )
+        text = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+        )
+        ids, _ = multimodal.process(self.processor, text, images, videos, where=location)
+        return messages, ids
+
+    def _template(self) -> Any:
+        """What renders chat messages: the processor's template when the tokenizer has none."""
+        if self.processor is not None and not getattr(self.tokenizer, "chat_template", None):
+            return self.processor
+        return self.tokenizer
+
     def _tokenize(self, prompts: list[Any]) -> list[list[int]]:
         if self.apply_chat_template:
+            template = self._template()
             texts = [
-                self.tokenizer.apply_chat_template(
+                template.apply_chat_template(
                     p, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
                 )
                 for p in prompts
@@ -221,7 +292,19 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         ids = self.prompt_ids[i]
-        return {"input_ids": torch.tensor(ids, dtype=torch.long), "raw_prompt_ids": list(ids), **self.rows[i]}
+        row = dict(self.rows[i])
+        location = row.pop("__where__")
+        if self.processor is not None:
+            from trellis.data import multimodal
+
+            images, videos = self._items(row, location) if self._has_items(row, location) else ([], [])
+            row.pop(self.image_key, None)
+            row.pop(self.video_key, None)
+            row[multimodal.MULTI_MODAL_DATA] = {"image": images, "video": videos}
+            row[multimodal.MULTI_MODAL_INPUTS] = multimodal.vision_inputs(
+                self.processor, images, videos, where=location
+            )
+        return {"input_ids": torch.tensor(ids, dtype=torch.long), "raw_prompt_ids": list(ids), **row}
 
     def split(self, num_splits: int) -> list[RLDataset]:
         """``num_splits`` contiguous shards whose sizes differ by at most one (e.g. per worker)."""
@@ -241,6 +324,17 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def collate_fn(self, samples: list[dict[str, Any]]) -> Any:
         """Batch ``samples`` into a DataProto, left-padding with the tokenizer's pad token."""
         return collate_fn(samples, pad_token_id=pad_id(self.tokenizer))
+
+
+def _items(cell: Any) -> list[Any]:
+    """A row's image or video cell as a list: None / NaN / empty mean none; one item becomes a list."""
+    if cell is None or (isinstance(cell, float) and cell != cell):
+        return []
+    if isinstance(cell, list | tuple):
+        return list(cell)
+    if isinstance(cell, np.ndarray) and cell.dtype == object:
+        return list(cell)
+    return [cell]
 
 
 def pad_id(tokenizer: Any) -> int:

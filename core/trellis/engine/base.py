@@ -69,6 +69,7 @@ from trellis.config.base import ConfigValueError, schema_default
 from trellis.config.schema import ActorConfig, CriticConfig, OffloadConfig, RefConfig
 from trellis.data.protocol import DataProto
 from trellis.engine import lora, packing, sequence_parallel
+from trellis.engine import multimodal as multimodal_forward
 from trellis.engine.fused import apply_fused_kernels
 from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, micro_batch_groups
 from trellis.engine.models import compute_dtype, load_model, model_setting
@@ -391,6 +392,8 @@ class TrainingEngine:
         first = length - width - 1  # the position whose logits predict response token 0
         value_head = self.role == "critic"
         keep_kwargs: dict[str, Any] = {}
+        # a vision-language batch: the rows' pixel values, and M-RoPE positions (3, bs, L) for every token
+        vision = multimodal_forward.vision_inputs(self.model, micro, attention_mask)
 
         if self.use_remove_padding:
             packed = packing.pack(input_ids, attention_mask, position_ids)
@@ -400,18 +403,26 @@ class TrainingEngine:
             valid = slot >= 0
             keep = slot[valid]
             if self.sp_group is not None:  # sp_size > 1 needs packing (checked when the engine is built)
+                if vision is not None:
+                    raise EngineError(
+                        "Sequence parallelism (ulysses_sequence_parallel_size > 1) does not take images or "
+                        "videos yet; train vision-language models with ulysses_sequence_parallel_size: 1."
+                    )
                 stats = self._sequence_parallel_outputs(
                     micro, packed, keep, responses[valid], compute_entropy
                 )
             else:
                 if self._logits_to_keep and not value_head:
                     keep_kwargs["logits_to_keep"] = keep
+                inputs = packed.model_inputs(self.attn_implementation, self.dtype)
                 with self._compute_context():
-                    out = self.model(
-                        **packed.model_inputs(self.attn_implementation, self.dtype),
-                        use_cache=False,
-                        **keep_kwargs,
-                    )
+                    if vision is not None:  # the packed tokens' embeddings with the vision features in place
+                        types = vision.token_types.reshape(-1)[packed.indices].unsqueeze(0)
+                        inputs["inputs_embeds"] = vision.embeddings(
+                            self.model, inputs.pop("input_ids"), types
+                        )
+                        inputs["position_ids"] = multimodal_forward.packed_positions(vision.positions, packed)
+                    out = self.model(**inputs, use_cache=False, **keep_kwargs)
                 logits = out.logits[0] if keep_kwargs else out.logits[0, keep]  # (n_valid, V or 1)
                 stats = self._outputs(logits, responses[valid], compute_entropy, micro)
             # (n_valid,) back to (bs, T), 0 at padding
@@ -422,8 +433,12 @@ class TrainingEngine:
         if self._logits_to_keep and not value_head:
             keep_kwargs["logits_to_keep"] = width + 1  # the last T + 1 positions: first .. L - 1
         with self._compute_context():
+            tokens: dict[str, Any] = {"input_ids": input_ids}
+            if vision is not None:  # M-RoPE positions, and the embeddings with the vision features in place
+                position_ids = vision.positions
+                tokens = {"inputs_embeds": vision.embeddings(self.model, input_ids, vision.token_types)}
             out = self.model(
-                input_ids=input_ids,
+                **tokens,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=False,

@@ -91,7 +91,9 @@ def build_meta_model(model_config: Any, *, value_model: bool = False, path: str 
 
 def _model_spec(model_config: Any, *, value_model: bool, path: str | None) -> tuple[Any, str, dict[str, Any]]:
     """``(auto class, path, from_pretrained kwargs)`` of the model ``load_model`` loads (reads its config)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from trellis.utils.auto_model import policy_auto_class
 
     path = path or model_setting(model_config, "path")
     if not path:
@@ -102,13 +104,13 @@ def _model_spec(model_config: Any, *, value_model: bool, path: str | None) -> tu
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
     for key, value in dict(model_setting(model_config, "override_config")).items():
         setattr(config, key, value)
-    auto_class: type[AutoModelForCausalLM | AutoModelForTokenClassification]
+    auto_class: Any
     if value_model:
         config.num_labels = 1
         config.classifier_dropout = 0.0
         auto_class = AutoModelForTokenClassification
     else:
-        auto_class = AutoModelForCausalLM
+        auto_class = policy_auto_class(config)  # AutoModelForCausalLM, or image-text-to-text for a VL model
     attn_implementation = model_setting(model_config, "attn_implementation")
     if attn_implementation == "sdpa" and model_setting(model_config, "use_remove_padding"):
         # Packed sequences through sdpa need a 4-D mask: attention over total² positions. Our

@@ -59,6 +59,7 @@ from trellis.config.base import schema_default
 from trellis.config.schema import AgentConfig, RolloutConfig
 from trellis.data.dataset import pad_id
 from trellis.data.protocol import DataProto
+from trellis.rollout.base import has_items
 from trellis.rollout.sampling import SamplingParams, TokenOutput
 from trellis.utils.coroutines import run_coroutine
 from trellis.utils.settings import setting
@@ -129,15 +130,21 @@ class ReplicaSession:
         self.request_id = request_id
         self.turns = 0
 
-    async def generate(self, prompt_ids: list[int], sampling_params: SamplingParams) -> TokenOutput:
-        """The replica's response to ``prompt_ids`` (the whole conversation so far, as token ids)."""
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, multi_modal_data: Any = None
+    ) -> TokenOutput:
+        """The replica's response to ``prompt_ids`` (the whole conversation so far, as token ids) and
+        ``multi_modal_data`` (the conversation's images and videos, in the order of their pad tokens)."""
         turn = self.turns
         self.turns += 1
         params = sampling_params
         if params.seed is not None and turn:
             params = dataclasses.replace(params, seed=_mix(params.seed, turn))  # a fresh draw per turn
         replica = self.router.replica_for(self.request_id)
-        return await replica.generate(prompt_ids, params, f"{self.request_id}-{turn}")
+        request_id = f"{self.request_id}-{turn}"
+        if has_items(multi_modal_data):
+            return await replica.generate(prompt_ids, params, request_id, multi_modal_data=multi_modal_data)
+        return await replica.generate(prompt_ids, params, request_id)
 
 
 class ReplicaRouter:

@@ -32,10 +32,16 @@ ones return None.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
 
 from trellis.rollout.sampling import SamplingParams, TokenOutput
+
+
+def has_items(multi_modal_data: Any) -> bool:
+    """Whether a ``multi_modal_data`` cell (None or ``{"image": [...], "video": [...]}``) holds any item."""
+    return isinstance(multi_modal_data, Mapping) and any(len(v or ()) for v in multi_modal_data.values())
+
 
 MODES = ("hybrid", "colocated", "standalone")
 """The deployment modes every replica accepts in :meth:`RolloutReplica.init`."""
@@ -50,6 +56,9 @@ class RolloutReplica(abc.ABC):
             backend options).
         model_config: a :class:`trellis.config.schema.ModelConfig` (``path``, ``dtype``, ...).
     """
+
+    supports_multi_modal: ClassVar[bool] = False
+    """Whether :meth:`generate` takes images and videos (``multi_modal_data``) for vision-language models."""
 
     def __init__(self, replica_rank: int, rollout_config: Any, model_config: Any) -> None:
         self.replica_rank = replica_rank
@@ -77,15 +86,23 @@ class RolloutReplica(abc.ABC):
             raise ValueError(f"Unknown rollout mode {mode!r}; expected one of: {', '.join(MODES)}.")
         return mode
 
-    def check_request(self, prompt_ids: Any, sampling_params: Any, request_id: str) -> list[int]:
+    def check_request(
+        self, prompt_ids: Any, sampling_params: Any, request_id: str, multi_modal_data: Any = None
+    ) -> list[int]:
         """Validate one ``generate`` request; the prompt as a list of ints.
 
         Raises:
             RuntimeError: the replica is asleep (``wake_up`` first).
             TypeError: ``sampling_params`` is not a :class:`SamplingParams`.
-            ValueError: the prompt is empty (the message names the request).
+            ValueError: the prompt is empty (the message names the request); images or videos for a
+                replica that does not take them (:attr:`supports_multi_modal`).
         """
         name = type(self).__name__
+        if has_items(multi_modal_data) and not self.supports_multi_modal:
+            raise ValueError(
+                f"request {request_id!r}: {name} does not take images or videos; serve vision-language "
+                "models with a replica that does (rollout.name=hf or vllm)."
+            )
         if self.asleep:
             raise RuntimeError(f"{name} is asleep: await replica.wake_up() before generate.")
         if not isinstance(sampling_params, SamplingParams):
@@ -110,9 +127,18 @@ class RolloutReplica(abc.ABC):
 
     @abc.abstractmethod
     async def generate(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        multi_modal_data: Mapping[str, Any] | None = None,
     ) -> TokenOutput:
-        """The response to ``prompt_ids`` (token ids, no padding). Concurrent calls are allowed."""
+        """The response to ``prompt_ids`` (token ids, no padding). Concurrent calls are allowed.
+
+        ``multi_modal_data`` (``{"image": [PIL images], "video": [[frames], ...]}``) holds the prompt's
+        items, in the order of their pad tokens in ``prompt_ids``; callers pass it only when there are
+        items, and only to replicas whose :attr:`supports_multi_modal` is true."""
 
     @abc.abstractmethod
     async def sleep(self) -> None:

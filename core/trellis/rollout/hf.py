@@ -95,7 +95,7 @@ from typing import Any
 
 from trellis.config.base import schema_default
 from trellis.config.schema import ModelConfig, RolloutConfig
-from trellis.rollout.base import RolloutReplica
+from trellis.rollout.base import RolloutReplica, has_items
 from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
 from trellis.utils.settings import setting
 
@@ -136,6 +136,7 @@ class _Request:
     prefix_ids: list[int] = field(default_factory=list)  # tokens of the interrupted segments
     prefix_log_probs: list[float] = field(default_factory=list)  # their log-probs, when asked for
     prefix_versions: list[int] = field(default_factory=list)  # their weight versions
+    multi_modal_data: Any = None  # the prompt's images and videos (vision-language models)
 
     def segment_params(self) -> SamplingParams:
         """The params of the next segment: ``max_tokens`` less the tokens already generated."""
@@ -192,6 +193,7 @@ class HFRolloutReplica(RolloutReplica):
         self.tokenizer: Any = None
         self.device: Any = None
         self.generate_calls = 0  # batched model.generate calls so far (tests and benchmarks read it)
+        self._processor: Any = None  # the multimodal processor, loaded for the first request with images
         self._queue: asyncio.Queue[_Request] | None = None
         # interrupted requests (partial rollout): the next batches take them before the queue
         self._resume: collections.deque[_Request] = collections.deque()
@@ -259,18 +261,19 @@ class HFRolloutReplica(RolloutReplica):
 
     def _load_model(self, path: str) -> Any:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
+
+        from trellis.utils.auto_model import policy_auto_class
 
         mc = self.model_config
         dtype = getattr(torch, _DTYPES.get(_setting(mc, ModelConfig, "dtype"), "float32"))
         attn = _setting(mc, ModelConfig, "attn_implementation")
         if attn not in ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
             attn = "sdpa"  # trellis' own varlen kernels are for training forward passes
-        return AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=dtype,
-            attn_implementation=attn,
-            trust_remote_code=bool(_setting(mc, ModelConfig, "trust_remote_code")),
+        trust = bool(_setting(mc, ModelConfig, "trust_remote_code"))
+        auto_class = policy_auto_class(AutoConfig.from_pretrained(path, trust_remote_code=trust))
+        return auto_class.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
         )
 
     @property
@@ -392,12 +395,19 @@ class HFRolloutReplica(RolloutReplica):
 
     # ------------------------------------------------------------------ generation
 
+    supports_multi_modal = True
+
     async def generate(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        multi_modal_data: Any = None,
     ) -> TokenOutput:
         if self.model is None:
             raise RuntimeError("HFRolloutReplica.generate before init(): await replica.init(mode) first.")
-        prompt_ids = self.check_request(prompt_ids, sampling_params, request_id)
+        prompt_ids = self.check_request(prompt_ids, sampling_params, request_id, multi_modal_data)
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer; pass one to init().")
         loop = asyncio.get_running_loop()
@@ -408,6 +418,9 @@ class HFRolloutReplica(RolloutReplica):
             self._resume = collections.deque()
             self._worker = loop.create_task(self._batch_loop())
         req = _Request(prompt_ids, sampling_params, request_id, loop.create_future())
+        if has_items(multi_modal_data):
+            self._vision_processor()  # a text-only model refuses here, before the request queues
+            req.multi_modal_data = multi_modal_data
         await self._queue.put(req)
         return await req.future
 
@@ -463,6 +476,46 @@ class HFRolloutReplica(RolloutReplica):
                 else:  # interrupted by a weight update: resumes in the next batch, with the new weights
                     req.extend(segment)
                     resume.append(req)
+
+    def _vision_processor(self) -> Any:
+        """The model's multimodal processor (loaded from ``model.path`` on first use)."""
+        if self._processor is None:
+            from trellis.utils.tokenizer import hf_processor
+
+            mc = self.model_config
+            path = _setting(mc, ModelConfig, "tokenizer_path") or _setting(mc, ModelConfig, "path")
+            processor = hf_processor(
+                path, trust_remote_code=bool(_setting(mc, ModelConfig, "trust_remote_code"))
+            )
+            if processor is None:
+                raise ValueError(
+                    f"HFRolloutReplica: the request has images or videos, but {path!r} has no multimodal "
+                    "processor; serve a vision-language model."
+                )
+            self._processor = processor
+        return self._processor
+
+    def _vision_kwargs(self, batch: list[_Request], input_ids: Any) -> dict[str, Any]:
+        """``generate``'s vision inputs for ``batch`` (row order), with each token's modality: pad tokens
+        of the prompt stand for items, those a resumed request generated (its prefix) are text."""
+        import torch
+
+        from trellis.data.multimodal import vision_inputs
+        from trellis.engine.multimodal import modality_types
+
+        images = [image for r in batch for image in (r.multi_modal_data or {}).get("image") or ()]
+        videos = [video for r in batch for video in (r.multi_modal_data or {}).get("video") or ()]
+        if not images and not videos:
+            return {}
+        kwargs = {
+            k: v.to(self.device) for k, v in vision_inputs(self._vision_processor(), images, videos).items()
+        }
+        prompt = torch.zeros_like(input_ids, dtype=torch.bool)
+        width = input_ids.shape[1]
+        for i, r in enumerate(batch):  # left-padded: the prompt, then the resumed prefix
+            prompt[i, width - len(r.prompt_ids) - len(r.prefix_ids) : width - len(r.prefix_ids)] = True
+        kwargs["mm_token_type_ids"] = modality_types(self.model.config, input_ids, prompt).to(self.device)
+        return kwargs
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -557,6 +610,7 @@ class HFRolloutReplica(RolloutReplica):
                     generation_config=config,
                     logits_processor=processors,
                     stopping_criteria=criteria,
+                    **self._vision_kwargs(batch, input_ids),
                 )
         finally:
             self.model.train(was_training)

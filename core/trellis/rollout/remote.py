@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from trellis.data.protocol import DataProto
 from trellis.errors import RolloutReplicaError
-from trellis.rollout.base import RolloutReplica
+from trellis.rollout.base import RolloutReplica, has_items
 from trellis.rollout.sampling import SamplingParams, TokenOutput
 
 
@@ -72,8 +72,16 @@ class ReplicaActor:
         return {"pid": os.getpid(), "server_address": self.replica.server_address}
 
     async def generate(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> TokenOutput:
+        if multi_modal_data:
+            return await self.replica.generate(
+                prompt_ids, sampling_params, request_id, multi_modal_data=multi_modal_data
+            )
         return await self.replica.generate(prompt_ids, sampling_params, request_id)
 
     async def sleep(self) -> None:
@@ -170,10 +178,21 @@ class RemoteReplica(RolloutReplica):
             "not through init()."
         )
 
+    supports_multi_modal = True  # passed on: the replica in the actor's process refuses them if it must
+
     async def generate(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        multi_modal_data: Mapping[str, Any] | None = None,
     ) -> TokenOutput:
         self.check_request(prompt_ids, sampling_params, request_id)
+        if has_items(multi_modal_data):
+            return await self._call(
+                "generate", list(prompt_ids), sampling_params, request_id, multi_modal_data
+            )
         return await self._call("generate", list(prompt_ids), sampling_params, request_id)
 
     async def sleep(self) -> None:

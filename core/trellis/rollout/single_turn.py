@@ -14,7 +14,7 @@ class SingleTurnAgentLoop(AgentLoop):
 
     async def run(self, sampling_params: SamplingParams, **sample: Any) -> AgentLoopOutput:
         prompt_ids = self.prompt_ids(sample)
-        out = await self.server.generate(prompt_ids, sampling_params)
+        out = await self.server.generate(prompt_ids, sampling_params, sample.get("multi_modal_data"))
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=list(out.token_ids),

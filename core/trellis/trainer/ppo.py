@@ -109,10 +109,14 @@ class Trainer:
 
     def _build_data(self) -> None:
         from trellis.data.dataset import PromptLoader, RLDataset
-        from trellis.utils.tokenizer import hf_tokenizer
+        from trellis.utils.tokenizer import hf_processor, hf_tokenizer
 
         cfg = self.config
         self.tokenizer = hf_tokenizer(cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
+        # a vision-language model's processor (None for a text model): images and videos go through it
+        self.processor = hf_processor(
+            cfg.model.tokenizer_path or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code
+        )
         needs_chat = cfg.data.return_raw_chat or cfg.rollout.agent.default_agent_loop != "single_turn"
         kwargs = dict(
             prompt_key=cfg.data.prompt_key,
@@ -121,6 +125,11 @@ class Trainer:
             truncation=cfg.data.truncation,
             chat_template_kwargs=cfg.data.chat_template_kwargs,
             return_raw_chat=needs_chat,
+            processor=self.processor,
+            image_key=cfg.data.image_key,
+            video_key=cfg.data.video_key,
+            image_max_pixels=cfg.data.image_max_pixels,
+            image_min_pixels=cfg.data.image_min_pixels,
         )
         if not cfg.data.train_files:
             raise ValueError("data.train_files is empty: give the parquet/jsonl files of training prompts.")

@@ -92,6 +92,12 @@ def hf_processor(name_or_path: str | os.PathLike[str], **kwargs: Any) -> Any | N
     combined with an image, video or audio processor). A plain tokenizer, a lone image
     processor, or transformers saying it recognises no processing class (``ValueError`` /
     ``KeyError``) all mean None. Other errors, e.g. a folder that does not exist, propagate.
+
+    Without a working ``torchvision``, transformers 5 has no video processors, and building a
+    processor that declares one (Qwen2-VL's, Qwen2.5-VL's, ...) fails while it looks that class up.
+    The processor is then assembled from the folder's tokenizer and image processor (whose PIL
+    backend needs no torchvision) with no video processor, and a warning says that videos need
+    torchvision; images work exactly as with the full processor.
     """
     from transformers import AutoProcessor, ProcessorMixin
 
@@ -99,7 +105,86 @@ def hf_processor(name_or_path: str | os.PathLike[str], **kwargs: Any) -> Any | N
         processor = AutoProcessor.from_pretrained(os.fspath(name_or_path), **kwargs)
     except (ValueError, KeyError):
         return None
+    except (AttributeError, ImportError) as exc:  # no torchvision: the video processor class is missing
+        processor = _assemble_without_video(os.fspath(name_or_path), exc, **kwargs)
+        if processor is None:
+            raise
     return processor if isinstance(processor, ProcessorMixin) else None
+
+
+def _assemble_without_video(path: str, cause: BaseException, **kwargs: Any) -> Any | None:
+    """The model's processor built from its tokenizer and image processor, with no video processor;
+    None when the folder does not name a processor class that takes those (then ``cause`` stands)."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    name = _processor_class_name(path)
+    cls = getattr(transformers, name, None) if name else None
+    if cls is None:
+        return None
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(path, **kwargs)
+    except Exception:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    processor = processor_without_video(cls, image_processor, tokenizer, _chat_template(path))
+    warnings.warn(
+        f"Loaded {name} for {path!r} without its video processor ({type(cause).__name__}: {cause}); "
+        "images work, videos need torchvision installed.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return processor
+
+
+def processor_without_video(
+    cls: type, image_processor: Any, tokenizer: Any, chat_template: str | None
+) -> Any:
+    """``cls(image_processor=..., tokenizer=..., video_processor=None, chat_template=...)``, skipping
+    transformers' class check of the absent video processor (the check itself needs torchvision)."""
+
+    class _Assembled(cls):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    _Assembled.__name__ = _Assembled.__qualname__ = cls.__name__
+    return _Assembled(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=chat_template,
+    )
+
+
+def _processor_class_name(path: str) -> str | None:
+    import json
+
+    for file in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        try:
+            with open(os.path.join(path, file), encoding="utf-8") as handle:
+                name = json.load(handle).get("processor_class")
+        except (OSError, ValueError):
+            continue
+        if name:
+            return str(name)
+    return None
+
+
+def _chat_template(path: str) -> str | None:
+    import json
+
+    for file, read in (
+        ("chat_template.jinja", lambda text: text),
+        ("chat_template.json", lambda text: json.loads(text).get("chat_template")),
+    ):
+        try:
+            with open(os.path.join(path, file), encoding="utf-8") as handle:
+                return read(handle.read())
+        except OSError:
+            continue
+    return None
 
 
 def normalize_token_ids(output: Any) -> list[int]:

@@ -1,0 +1,417 @@
+"""Vision-language RL from dataset to loss, on a tiny Qwen2-VL built at test time (random weights).
+
+Images are read in every form a dataset holds them; placeholders, pixel limits and bad items give
+clear errors naming the row and column; the processor widens each image to its tokens; the ``hf``
+replica generates with the pixel values; the training forward (padded and packed) gives the replica's
+log-probs to 1e-4 in float32; a GRPO run on the red-squares task trains with the reward rising, and a
+geo3k-format parquet trains one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import warnings
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from trellis.data import multimodal
+from trellis.errors import DatasetError
+
+warnings.filterwarnings("ignore", message=".*video processor.*")
+
+
+@pytest.fixture(scope="module")
+def vl_path(tmp_path_factory) -> str:
+    from trellis.recipes.tiny_vl import save_tiny_vl_model
+
+    return save_tiny_vl_model(tmp_path_factory.mktemp("tiny_vl"))
+
+
+@pytest.fixture(scope="module")
+def parts(vl_path):
+    from trellis.utils.tokenizer import hf_processor, hf_tokenizer
+
+    return hf_tokenizer(vl_path), hf_processor(vl_path)
+
+
+def png(color=(255, 0, 0), size=(56, 56), fmt="PNG") -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def write(tmp_path, rows, name="data.parquet") -> str:
+    path = str(tmp_path / name)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def image_tokens(ids, tokenizer) -> int:
+    return sum(t == tokenizer.convert_tokens_to_ids("<|image_pad|>") for t in ids)
+
+
+# ---------------------------------------------------------------- items
+
+
+def test_images_load_from_every_form_a_dataset_holds(tmp_path):
+    from PIL import Image
+
+    data = png((0, 255, 0), (30, 20))
+    path = tmp_path / "a.png"
+    path.write_bytes(data)
+    forms = [
+        data,
+        {"bytes": data, "path": None},
+        {"bytes": None, "path": str(path)},
+        str(path),
+        f"file://{path}",
+        Image.open(io.BytesIO(data)).convert("L"),  # converted to RGB
+        np.full((20, 30, 3), 7, dtype=np.uint8),
+    ]
+    for form in forms:
+        image = multimodal.load_image(form)
+        assert image.mode == "RGB" and image.size == (30, 20), form
+
+
+def test_pixel_limits_resize_with_the_aspect_ratio_kept():
+    big = multimodal.load_image(png(size=(400, 100)), max_pixels=100 * 100)
+    assert big.size == (200, 50)
+    small = multimodal.load_image(png(size=(20, 10)), min_pixels=800)
+    assert small.size == (40, 20)
+    same = multimodal.load_image(png(size=(40, 20)), max_pixels=10_000, min_pixels=10)
+    assert same.size == (40, 20)
+
+
+def test_bad_items_name_where_they_are(monkeypatch):
+    with pytest.raises(DatasetError, match=r"row 3, column 'images', item 1: cannot read the image"):
+        multimodal.load_image(b"not a picture", where="row 3, column 'images', item 1")
+    with pytest.raises(DatasetError, match="needs 'bytes' or 'path'"):
+        multimodal.load_image({"bytes": None, "path": None})
+    with pytest.raises(DatasetError, match="does not exist"):
+        multimodal.load_image("/nonexistent/x.png")
+    with pytest.raises(DatasetError, match="sides may differ by at most 200x"):
+        multimodal.load_image(png(size=(1000, 2)))
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # a decompression bomb, as PIL sees it
+    with pytest.raises(DatasetError, match="too large to decode safely"):
+        multimodal.load_image(png(size=(56, 56)))
+
+
+def test_videos_load_as_frames_of_one_size(tmp_path):
+    from PIL import Image
+
+    frames = [Image.new("RGB", (28, 28), (i * 40, 0, 0)) for i in range(4)]
+    gif = io.BytesIO()
+    frames[0].save(gif, "GIF", save_all=True, append_images=frames[1:])
+    (tmp_path / "v.gif").write_bytes(gif.getvalue())
+    for form in ([png(size=(28, 28))] * 3, np.zeros((2, 28, 28, 3), np.uint8), str(tmp_path / "v.gif")):
+        video = multimodal.load_video(form, max_pixels=14 * 14)
+        assert {frame.size for frame in video} == {(14, 14)} and len(video) in (2, 3, 4)
+    with pytest.raises(DatasetError, match="frames differ in size"):
+        multimodal.load_video([png(size=(28, 28)), png(size=(56, 28))])
+    with pytest.raises(DatasetError, match="only animated images are decoded here"):
+        multimodal.load_video(b"\x00\x00\x00 ftypmp42 not decodable")
+
+
+def test_placeholders_become_content_parts_and_must_match_the_items():
+    messages = [{"role": "user", "content": "Look: <image> then <video>, and <image>."}]
+    out = multimodal.vision_messages(messages, 2, 1)
+    assert [p["type"] for p in out[0]["content"]] == [
+        "text",
+        "image",
+        "text",
+        "video",
+        "text",
+        "image",
+        "text",
+    ]
+    bare = multimodal.vision_messages(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], 2, 0
+    )
+    assert [p["type"] for p in bare[1]["content"]] == ["image", "image", "text"]
+    with pytest.raises(
+        DatasetError, match=r"row 5.*1 <image> and 0 <video> placeholders but the row has 2 images"
+    ):
+        multimodal.vision_messages(
+            [{"role": "user", "content": "<image> only one"}], 2, 0, where="row 5, column 'prompt'"
+        )
+
+
+# ---------------------------------------------------------------- dataset
+
+
+def test_a_geo3k_layout_parquet_loads_with_each_image_widened_to_its_tokens(parts, tmp_path):
+    from trellis.data.dataset import RLDataset
+
+    tokenizer, processor = parts
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "<image>Find x."}],
+            "images": [{"bytes": png(), "path": None}],
+        },
+        {
+            "prompt": [{"role": "user", "content": "<image> vs <image>"}],
+            "images": [{"bytes": png(size=(112, 56)), "path": None}, {"bytes": png(), "path": None}],
+        },
+        {"prompt": [{"role": "user", "content": "text only"}], "images": []},
+    ]
+    data = RLDataset(
+        write(tmp_path, rows), tokenizer, processor=processor, max_prompt_length=128, return_raw_chat=True
+    )
+    items = [data[i] for i in range(3)]
+    # 56x56 -> a 4x4 patch grid -> 4 tokens (merge 2x2); 112x56 -> 8 tokens
+    assert [image_tokens(it["raw_prompt_ids"], tokenizer) for it in items] == [4, 12, 0]
+    assert items[0]["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert items[1]["multi_modal_inputs"]["pixel_values"].shape == (16 + 32, 1176)
+    assert items[2]["multi_modal_inputs"] == {} and items[2]["multi_modal_data"] == {"image": [], "video": []}
+    assert [len(it["multi_modal_data"]["image"]) for it in items] == [1, 2, 0]
+    assert "images" not in items[0] and items[0]["raw_prompt"][0]["content"][0] == {"type": "image"}
+    batch = data.collate_fn(items)
+    assert batch.non_tensor_batch["multi_modal_inputs"].shape == (3,)
+
+
+def test_dataset_image_settings_are_honoured_and_errors_name_the_row(parts, tmp_path):
+    from trellis.data.dataset import RLDataset
+
+    tokenizer, processor = parts
+    rows = [{"question": [{"role": "user", "content": "<image>q"}], "pics": [png(size=(112, 112))]}]
+    path = write(tmp_path, rows)
+    kwargs = {"prompt_key": "question", "max_prompt_length": 128}
+    plain = RLDataset(path, tokenizer, processor=processor, image_key="pics", **kwargs)
+    assert image_tokens(plain[0]["raw_prompt_ids"], tokenizer) == 16  # 112x112: an 8x8 grid
+    small = RLDataset(
+        path, tokenizer, processor=processor, image_key="pics", image_max_pixels=56 * 56, **kwargs
+    )
+    assert image_tokens(small[0]["raw_prompt_ids"], tokenizer) == 4
+    tiny = write(tmp_path, [{"question": "<image>q", "pics": [png(size=(28, 28))]}], "t.parquet")
+    assert (
+        image_tokens(
+            RLDataset(tiny, tokenizer, processor=processor, image_key="pics", **kwargs)[0]["raw_prompt_ids"],
+            tokenizer,
+        )
+        == 1
+    )
+    up = RLDataset(tiny, tokenizer, processor=processor, image_key="pics", image_min_pixels=56 * 56, **kwargs)
+    assert image_tokens(up[0]["raw_prompt_ids"], tokenizer) == 4
+    videos = write(
+        tmp_path, [{"prompt": "<video>what happens?", "clips": [[png(size=(28, 28))] * 2]}], "v.parquet"
+    )
+    with pytest.raises(DatasetError, match=r"v.parquet: row 0: has videos.*no video processor.*torchvision"):
+        RLDataset(videos, tokenizer, processor=processor, video_key="clips", max_prompt_length=64)
+
+    with pytest.raises(DatasetError, match=r"row 0: column 'pics' holds images.*no multimodal processor"):
+        RLDataset(path, tokenizer, image_key="pics", **kwargs)
+    bad = write(
+        tmp_path,
+        [*rows, {"question": [{"role": "user", "content": "<image>q"}], "pics": [b"junk"]}],
+        "b.parquet",
+    )
+    with pytest.raises(DatasetError, match=r"b.parquet: row 1, column 'pics', item 0: cannot read the image"):
+        RLDataset(bad, tokenizer, processor=processor, image_key="pics", **kwargs)
+    with pytest.raises(DatasetError, match=r"row 0, column 'question'.*longer than max_prompt_length=8"):
+        RLDataset(
+            path, tokenizer, processor=processor, image_key="pics", prompt_key="question", max_prompt_length=8
+        )
+
+
+# ---------------------------------------------------------------- rollout and training forward
+
+
+def _rollout(vl_path, parts, tmp_path, dtype="float32"):
+    from trellis.config import load_config
+    from trellis.data.dataset import RLDataset
+    from trellis.rollout.agent_loop import AgentLoopManager
+    from trellis.rollout.hf import HFRolloutReplica
+
+    tokenizer, processor = parts
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "<image>How many?"}],
+            "images": [{"bytes": png(), "path": None}],
+        },
+        {
+            "prompt": [{"role": "user", "content": "<image> and <image>"}],
+            "images": [{"bytes": png((0, 0, 255), (84, 56)), "path": None}, {"bytes": png(), "path": None}],
+        },
+        {"prompt": [{"role": "user", "content": "no picture here"}], "images": []},
+    ]
+    data = RLDataset(write(tmp_path, rows), tokenizer, processor=processor, max_prompt_length=128)
+    batch = data.collate_fn([data[i] for i in range(3)])
+    config = load_config(
+        None,
+        [
+            f"model.path={vl_path}",
+            f"model.dtype={dtype}",
+            "rollout.calculate_log_probs=true",
+            "rollout.seed=3",
+            "data.max_response_length=10",
+        ],
+    )
+    replica = HFRolloutReplica(0, config.rollout, config.model)
+    asyncio.run(replica.init("colocated", tokenizer=tokenizer))
+    out = AgentLoopManager(config.rollout, [replica], tokenizer, response_length=10).generate_sequences(batch)
+    return config, out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_training_log_probs_equal_the_replicas_in_float32(vl_path, parts, tmp_path, packed):
+    from trellis.config import load_config
+    from trellis.registries import training_engines
+
+    config, out = _rollout(vl_path, parts, tmp_path)
+    assert out.tensors["responses"].shape[1] == 10
+    model = load_config(
+        None,
+        [f"model.path={vl_path}", "model.dtype=float32", f"model.use_remove_padding={str(packed).lower()}"],
+    ).model
+    engine = training_engines.get("single")(model, config.actor, role="actor", total_steps=1, device="cpu")
+    with engine.phase():
+        log_probs = engine.forward(out)["log_probs"]
+    mask = out.tensors["response_mask"].bool()
+    assert mask.sum() > 20
+    diff = (log_probs - out.tensors["rollout_log_probs"])[mask].abs().max()
+    assert diff < 1e-4, diff
+    # without the pictures the same tokens score differently: the pixels reach the forward
+    blind = out[[0]]
+    blind.non_tensor_batch["multi_modal_inputs"] = np.array([{}], dtype=object)
+    with (
+        pytest.raises(
+            ValueError, match="hold 4 image/video tokens but its rows' multi_modal_inputs are empty"
+        ),
+        engine.phase(),
+    ):
+        engine.forward(blind)
+
+
+def test_the_vision_features_and_positions_change_the_log_probs(vl_path, parts, tmp_path):
+    from trellis.config import load_config
+    from trellis.engine import multimodal as engine_multimodal
+    from trellis.registries import training_engines
+
+    config, out = _rollout(vl_path, parts, tmp_path)
+    engine = training_engines.get("single")(
+        config.model, config.actor, role="actor", total_steps=1, device="cpu"
+    )
+    with engine.phase():
+        seen = engine.forward(out)["log_probs"]
+        other = out[[0, 1, 2]]
+        cells = other.non_tensor_batch["multi_modal_inputs"]
+        cells[0] = {k: (-v if k == "pixel_values" else v) for k, v in cells[0].items()}
+        changed = engine.forward(other)["log_probs"]
+    mask = out.tensors["response_mask"].bool()
+    assert (seen[0] - changed[0])[mask[0]].abs().max() > 1e-3  # other pixels, other log-probs
+    assert torch.equal(seen[2], changed[2])  # the text-only row is untouched
+    vision = engine_multimodal.vision_inputs(engine.model, out[[0]], out.tensors["attention_mask"][:1])
+    prompt = out.tensors["prompts"].shape[1]
+    # M-RoPE: the 4 image tokens share a temporal position and spread over height and width
+    image = (vision.token_types[0] == 1).nonzero().flatten()
+    assert len(image) == 4 and image.max() < prompt
+    grid = vision.positions[:, 0, image]
+    assert len(set(grid[0].tolist())) == 1 and sorted(set(grid[1].tolist())) == [
+        grid[1].min().item(),
+        grid[1].min().item() + 1,
+    ]
+    del load_config
+
+
+def test_a_model_without_multimodal_positions_is_refused_clearly(tiny_model_path, vl_path, parts, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trellis.engine.multimodal import vision_inputs
+
+    _, out = _rollout(vl_path, parts, tmp_path)
+    text_model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with pytest.raises(ValueError, match="has no get_rope_index: only Qwen2-VL-family models"):
+        vision_inputs(text_model, out, out.tensors["attention_mask"])
+
+
+def test_replicas_without_image_support_refuse_images(tiny_model_path):
+    from trellis.config import load_config
+    from trellis.rollout.base import RolloutReplica
+    from trellis.rollout.hf import HFRolloutReplica
+    from trellis.rollout.sampling import SamplingParams
+
+    class TextOnly(RolloutReplica):
+        async def init(self, *a, **k): ...
+        async def generate(self, prompt_ids, sampling_params, request_id, *, multi_modal_data=None): ...
+        async def sleep(self): ...
+        async def wake_up(self): ...
+        async def update_weights(self, named_tensors): ...
+
+    config = load_config(None, [f"model.path={tiny_model_path}"])
+    params = SamplingParams(max_tokens=2)
+    images = {"image": [png()], "video": []}
+    with pytest.raises(ValueError, match=r"TextOnly does not take images or videos.*rollout.name=hf or vllm"):
+        TextOnly(0, config.rollout, config.model).check_request([1, 2], params, "r1", images)
+    assert TextOnly(0, config.rollout, config.model).check_request([1, 2], params, "r1", {"image": []}) == [
+        1,
+        2,
+    ]
+    replica = HFRolloutReplica(0, config.rollout, config.model)
+    asyncio.run(replica.init("colocated"))
+    with pytest.raises(ValueError, match="has no multimodal processor; serve a vision-language model"):
+        asyncio.run(replica.generate([1, 2], params, "r2", multi_modal_data=images))
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_grpo_on_red_squares_trains_with_the_reward_rising(tmp_path):
+    from trellis.config import load_config
+    from trellis.recipes.red_squares import prepare_run
+    from trellis.trainer.ppo import Trainer
+
+    overrides = [
+        *prepare_run(str(tmp_path)),
+        "trainer.total_training_steps=12",
+        f"trainer.run_dir={tmp_path}/run",
+    ]
+    history = Trainer(load_config(overrides=overrides)).fit().history
+    rewards = [m["reward/mean"] for m in history]
+    assert len(rewards) == 12
+    # measured: 0.019 0.05 0.013 0.013 0.013 0.019 0.044 0.112 0.169 0.194 0.2 0.2
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
+    assert all(np.isfinite(m["actor/pg_loss"]) for m in history)
+
+
+def test_a_geo3k_parquet_written_here_trains_one_step(tmp_path):
+    from trellis.config import load_config
+    from trellis.recipes.red_squares import prepare_run
+    from trellis.trainer.ppo import Trainer
+
+    overrides = prepare_run(str(tmp_path), n_rows=8)
+    rows = [  # verl's examples/data_preprocess/geo3k.py layout
+        {
+            "data_source": "hiyouga/geometry3k",
+            "prompt": [{"role": "user", "content": f"<image>Find the angle {i}. Answer with a digit."}],
+            "images": [{"bytes": png((i * 30, 0, 0), (56 + 28 * (i % 2), 56)), "path": f"img{i}.png"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i % 10)},
+            "extra_info": {
+                "split": "train",
+                "index": i,
+                "answer": str(i % 10),
+                "question": "Find the angle.",
+            },
+        }
+        for i in range(8)
+    ]
+    data = write(tmp_path, rows, "geo3k.parquet")
+    overrides = [o for o in overrides if not o.startswith(("data.train_files", "data.val_files"))]
+    overrides += [
+        f"data.train_files=[{data}]",
+        "trainer.total_training_steps=1",
+        f"trainer.run_dir={tmp_path}/run",
+    ]
+    (metrics,) = Trainer(load_config(overrides=overrides)).fit().history
+    assert metrics["response_length/mean"] > 0 and np.isfinite(metrics["actor/pg_loss"])
+    assert os.path.exists(tmp_path / "run")
