@@ -415,3 +415,33 @@ def test_a_geo3k_parquet_written_here_trains_one_step(tmp_path):
     (metrics,) = Trainer(load_config(overrides=overrides)).fit().history
     assert metrics["response_length/mean"] > 0 and np.isfinite(metrics["actor/pg_loss"])
     assert os.path.exists(tmp_path / "run")
+
+
+def test_the_trainer_reads_the_image_settings(tmp_path):
+    """data.image_key, image_max_pixels, image_min_pixels and video_key reach the trainer's dataset."""
+    from trellis.config import load_config
+    from trellis.recipes.red_squares import prepare_run
+    from trellis.trainer.ppo import Trainer
+
+    overrides = [
+        o
+        for o in prepare_run(str(tmp_path), n_rows=8)
+        if not o.startswith(("data.train_files", "data.val_files"))
+    ]
+    rows = [{"prompt": "<image>count", "pics": [png(size=(112, 112))], "small": [png(size=(28, 28))]}] * 8
+    data = write(tmp_path, rows, "pics.parquet")
+    overrides += [f"data.train_files=[{data}]", "data.val_files=[]", f"trainer.run_dir={tmp_path}/run"]
+
+    def image_tokens_of(*extra: str) -> int:
+        trainer = Trainer(load_config(overrides=[*overrides, *extra]))
+        trainer._build_data()
+        return image_tokens(trainer.train_set[0]["raw_prompt_ids"], trainer.tokenizer)
+
+    assert image_tokens_of("data.image_key=pics") == 16
+    assert image_tokens_of("data.image_key=pics", "data.image_max_pixels=3136") == 4
+    assert image_tokens_of("data.image_key=small") == 1
+    assert image_tokens_of("data.image_key=small", "data.image_min_pixels=3136") == 4
+    with pytest.raises(
+        DatasetError, match="has 1 <image> and 0 <video> placeholders but the row has 1 images and 1 videos"
+    ):
+        image_tokens_of("data.image_key=pics", "data.video_key=small")  # frames read as one video
