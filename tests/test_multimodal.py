@@ -445,3 +445,120 @@ def test_the_trainer_reads_the_image_settings(tmp_path):
         DatasetError, match="has 1 <image> and 0 <video> placeholders but the row has 1 images and 1 videos"
     ):
         image_tokens_of("data.image_key=pics", "data.video_key=small")  # frames read as one video
+
+
+# ---------------------------------------------------------------- tools that return images
+
+
+def test_a_tool_shows_the_model_an_image_and_the_row_trains_with_it(vl_path, parts, tmp_path):
+    """A ``tool_agent`` turn whose tool returns a picture: the tool turn holds its image tokens (widened),
+    the next turn is generated with both images, the row carries both, and the training forward reads them
+    (the tool turn's pad tokens have response_mask 0, so they stand for the tool's image)."""
+    import json
+    from typing import ClassVar
+
+    from trellis.config import load_config
+    from trellis.data.dataset import RLDataset
+    from trellis.registries import training_engines
+    from trellis.rollout.agent_loop import AgentLoopManager
+    from trellis.rollout.hf import HFRolloutReplica
+    from trellis.rollout.sampling import TokenOutput
+    from trellis.tools.base import BaseTool
+    from trellis.tools.schema import ToolResponse
+
+    tokenizer, processor = parts
+
+    class Camera(BaseTool):
+        default_schema: ClassVar[dict] = {
+            "type": "function",
+            "function": {"name": "camera", "description": "a photo", "parameters": {"type": "object"}},
+        }
+
+        async def execute(self, instance_id, parameters, **kwargs):
+            mode = parameters.get("mode")
+            return (
+                ToolResponse(text="photo", image=[b"junk" if mode == "bad" else png((0, 0, 255), (112, 56))]),
+                0.0,
+                {},
+            )
+
+    class Scripted(HFRolloutReplica):
+        """The real replica, but its first turn calls the camera (a random model would not)."""
+
+        seen: ClassVar[list] = []
+
+        async def generate(self, prompt_ids, sampling_params, request_id, *, multi_modal_data=None):
+            Scripted.seen.append((list(prompt_ids), multi_modal_data))
+            if request_id.endswith("-0"):
+                text = (
+                    "<tool_call>"
+                    + json.dumps({"name": "camera", "arguments": {"mode": self.mode_}})
+                    + "</tool_call>"
+                )
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                return TokenOutput(ids, [-0.5] * len(ids), "stop")
+            params = sampling_params
+            return await super().generate(prompt_ids, params, request_id, multi_modal_data=multi_modal_data)
+
+    rows = [
+        {"prompt": [{"role": "user", "content": "<image>Look."}], "images": [{"bytes": png(), "path": None}]}
+    ]
+    data = RLDataset(
+        write(tmp_path, rows), tokenizer, processor=processor, max_prompt_length=256, return_raw_chat=True
+    )
+    batch = data.collate_fn([data[0]])
+    batch.non_tensor_batch["agent_name"] = np.array(["tool_agent"], dtype=object)
+    config = load_config(
+        None,
+        [
+            f"model.path={vl_path}",
+            "model.dtype=float32",
+            "rollout.calculate_log_probs=true",
+            "data.max_response_length=400",
+        ],
+    )
+    replica = Scripted(0, config.rollout, config.model)
+    asyncio.run(replica.init("colocated", tokenizer=tokenizer))
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    replica.mode_ = "ok"
+    manager = AgentLoopManager(
+        config.rollout, [replica], tokenizer, tools={"camera": Camera()}, processor=processor
+    )
+    out = manager.generate_sequences(batch)
+    (first_prompt, first_items), (second_prompt, second_items) = Scripted.seen[-2:]
+    assert len(first_items["image"]) == 1 and len(second_items["image"]) == 2
+    assert first_prompt.count(pad) == 4 and second_prompt.count(pad) == 4 + 8  # 112x56: 8 tokens
+    assert out.meta_info["metrics"]["tool/images"] == 1.0
+    row = out.non_tensor_batch
+    assert len(row["multi_modal_data"][0]["image"]) == 2
+    assert row["multi_modal_inputs"][0]["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 8]]
+    engine = training_engines.get("single")(
+        config.model, config.actor, role="actor", total_steps=1, device="cpu"
+    )
+    with engine.phase():
+        log_probs = engine.forward(out)["log_probs"]
+    generated = out.tensors["response_mask"].bool()
+    # the second turn came from the replica itself: its log-probs, given both images, are the forward's
+    second = generated.clone()
+    second[0, : (~generated[0]).nonzero().max() + 1] = False
+    assert second.sum() > 0
+    assert (log_probs - out.tensors["rollout_log_probs"])[second].abs().max() < 1e-4
+
+    # without a processor the picture is dropped and counted; an unreadable picture is the model's to read
+    text_only = AgentLoopManager(config.rollout, [replica], tokenizer, tools={"camera": Camera()})
+    with pytest.raises(ValueError, match="renders a prompt with images, which needs the model's processor"):
+        text_only.generate_sequences(batch)
+    plain = write(
+        tmp_path, [{"prompt": [{"role": "user", "content": "Look."}], "images": []}], "plain.parquet"
+    )
+    text_data = RLDataset(plain, tokenizer, processor=processor, max_prompt_length=256, return_raw_chat=True)
+    text_batch = text_data.collate_fn([text_data[0]])
+    text_batch.non_tensor_batch["agent_name"] = np.array(["tool_agent"], dtype=object)
+    dropped = text_only.generate_sequences(text_batch)
+    assert dropped.meta_info["metrics"]["tool/images_dropped"] == 1.0
+    replica.mode_ = "bad"
+    bad = manager.generate_sequences(batch)
+    assert bad.meta_info["metrics"]["tool/bad_output"] == 1.0
+    assert "Error: tool 'camera': cannot read the image" in tokenizer.decode(Scripted.seen[-1][0])
+    assert len(bad.non_tensor_batch["multi_modal_data"][0]["image"]) == 1

@@ -204,6 +204,8 @@ class AgentLoop(abc.ABC):
         self.server = server
         self.tokenizer = tokenizer
         self.tools = dict(tools or {})
+        self.processor: Any = None
+        """The model's multimodal processor (set by :class:`AgentLoopManager`); None for a text model."""
 
     @abc.abstractmethod
     async def run(
@@ -223,6 +225,13 @@ class AgentLoop(abc.ABC):
                 f"{', '.join(sorted(sample))})."
             )
         if messages is not None and _is_messages(messages) and (tools or "raw_prompt_ids" not in sample):
+            if has_items(sample.get("multi_modal_data")):
+                if self.processor is None:
+                    raise ValueError(
+                        f"{type(self).__name__} renders a prompt with images, which needs the model's processor: "
+                        "build the AgentLoopManager with processor=hf_processor(model path)."
+                    )
+                return self._vision_prompt_ids(list(messages), sample["multi_modal_data"], tools)
             return self.chat_template().prompt_ids(list(messages), tools)
         ids = sample.get("raw_prompt_ids")
         if ids is None:
@@ -231,6 +240,23 @@ class AgentLoop(abc.ABC):
                 f"{', '.join(sorted(sample))}."
             )
         return [int(t) for t in ids]
+
+    def _vision_prompt_ids(
+        self, messages: list[Any], data: Mapping[str, Any], tools: Sequence[Any] | None
+    ) -> list[int]:
+        """The prompt with its images through the processor's chat template, one pad token per image token."""
+        from trellis.data.multimodal import process
+        from trellis.rollout.chat import tool_schemas
+
+        kwargs: dict[str, Any] = {}
+        schemas = tool_schemas(tools)
+        if schemas is not None:
+            kwargs["tools"] = schemas
+        text = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        ids, _ = process(self.processor, text, data.get("image") or (), data.get("video") or ())
+        return ids
 
     def chat_template(self) -> Any:
         from trellis.rollout.chat import ChatTemplate
@@ -291,6 +317,8 @@ class AgentLoopManager:
         tools: ``{name: BaseTool}``; None loads ``rollout.agent.tool_config_path`` when set.
         response_length: default ``max_tokens`` when ``rollout.max_tokens`` is null (the data config's
             ``max_response_length``).
+        processor: the model's multimodal processor (``hf_processor``), for loops that render images (tool
+            turns with images); None for a text model.
     """
 
     def __init__(
@@ -301,8 +329,10 @@ class AgentLoopManager:
         *,
         tools: Mapping[str, Any] | None = None,
         response_length: int | None = None,
+        processor: Any = None,
     ) -> None:
         self.rollout_config = rollout_config
+        self.processor = processor
         self.router = ReplicaRouter(replicas)
         self.tokenizer = tokenizer
         agent = getattr(rollout_config, "agent", None)
@@ -368,6 +398,7 @@ class AgentLoopManager:
                 )
             session = self.router.session(request_id)
             loop = self.loop_class(names[i])(self.rollout_config, session, self.tokenizer, self.tools)
+            loop.processor = self.processor
             try:
                 out = await loop.run(sample_params, **samples[i])
             finally:

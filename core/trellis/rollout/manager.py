@@ -358,9 +358,17 @@ class AgentWorkerPool:
         self.workers: list[Any] = []
         if self.num_workers == 1:
             from trellis.rollout.agent_loop import AgentLoopManager
+            from trellis.utils.tokenizer import hf_processor
 
+            model = config.model
             self.local = AgentLoopManager(
-                config.rollout, manager.replicas, tokenizer, response_length=config.data.max_response_length
+                config.rollout,
+                manager.replicas,
+                tokenizer,
+                response_length=config.data.max_response_length,
+                processor=hf_processor(
+                    model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code
+                ),
             )
             return
         from trellis.distributed.ray import import_ray, passed_env

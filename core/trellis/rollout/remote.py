@@ -227,7 +227,7 @@ class AgentWorker:
 
     def __init__(self, config: Any, replicas: list[tuple[int, Any, int | None]]) -> None:
         from trellis.rollout.agent_loop import AgentLoopManager
-        from trellis.utils.tokenizer import hf_tokenizer
+        from trellis.utils.tokenizer import hf_processor, hf_tokenizer
 
         _set_threads()
         self.config = config
@@ -237,11 +237,14 @@ class AgentWorker:
             handle.pid = pid
             handles.append(handle)
         model = config.model
-        tokenizer = hf_tokenizer(
-            model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code
-        )
+        path = model.tokenizer_path or model.path
+        tokenizer = hf_tokenizer(path, trust_remote_code=model.trust_remote_code)
         self.agents = AgentLoopManager(
-            config.rollout, handles, tokenizer, response_length=config.data.max_response_length
+            config.rollout,
+            handles,
+            tokenizer,
+            response_length=config.data.max_response_length,
+            processor=hf_processor(path, trust_remote_code=model.trust_remote_code),
         )
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:

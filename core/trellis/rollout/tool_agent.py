@@ -22,7 +22,11 @@ hangs or returns garbage — becomes an ``Error: ...`` tool response for the mod
 (``tool/parse_errors``, ``tool/unknown``, ``tool/errors``, ``tool/timeouts``,
 ``tool/bad_output``); the rollout never crashes on it. Tool responses longer than
 ``max_tool_response_length`` characters are cut on ``tool_response_truncate_side``. Images in tool
-responses are not shown to the model (text-only loop); they are counted in ``tool/images_dropped``.
+responses (``ToolResponse.image``) are shown to a vision-language model (the loop has a processor): they
+go in front of the tool turn's text, each widened to its tokens, and join the sample's images (the
+prompt's first), which every later turn is generated with and which the sample trains with
+(``multi_modal_data`` / ``multi_modal_inputs`` of its row); ``tool/images`` counts them. A text model
+cannot see them: they are counted in ``tool/images_dropped``.
 
 Tool rewards: the step rewards of every call, plus each opened instance's ``calc_reward`` when the sample
 ends (just before ``release``), add up to the sample's ``tool_reward``, which the score stage adds to its
@@ -38,12 +42,21 @@ import dataclasses
 from collections import defaultdict
 from typing import Any
 
+from trellis.data.multimodal import load_image
+from trellis.errors import DatasetError
 from trellis.rollout.agent_loop import AgentLoop, AgentLoopOutput, agent_setting
 from trellis.rollout.sampling import SamplingParams
 from trellis.rollout.tool_parser import FunctionCall, get_tool_parser
 from trellis.tools.base import call_tool
 
 TRUNCATION_MARK = "...(truncated)..."
+
+
+def _tool_message(reply: str, images: int) -> dict[str, Any]:
+    """A tool turn: its text, after ``images`` image parts when the tool showed pictures."""
+    if not images:
+        return {"role": "tool", "content": reply}
+    return {"role": "tool", "content": [{"type": "image"}] * images + [{"type": "text", "text": reply}]}
 
 
 def truncate(text: str, limit: int, side: str = "middle") -> str:
@@ -74,6 +87,8 @@ class ToolAgentLoop(AgentLoop):
         parser = get_tool_parser(agent_setting(cfg, "tool_parser"))
         chat = self.chat_template()
         prompt_ids = self.prompt_ids(sample, tools=list(self.tools.values()))
+        media = sample.get("multi_modal_data") or {}
+        images, videos = list(media.get("image") or ()), list(media.get("video") or ())
         budget = sampling_params.max_tokens
         response_ids: list[int] = []
         mask: list[int] = []
@@ -86,7 +101,8 @@ class ToolAgentLoop(AgentLoop):
         try:
             while True:
                 params = dataclasses.replace(sampling_params, max_tokens=budget - len(response_ids))
-                out = await self.server.generate(prompt_ids + response_ids, params)
+                items = {"image": list(images), "video": list(videos)} if images or videos else None
+                out = await self.server.generate(prompt_ids + response_ids, params, items)
                 tokens = list(out.token_ids)
                 response_ids += tokens
                 mask += [1] * len(tokens)
@@ -107,15 +123,20 @@ class ToolAgentLoop(AgentLoop):
                 if not calls:
                     break
                 metrics["tool/ignored_calls"] += max(0, len(calls) - max_calls)
-                replies = await self._run_calls(calls[:max_calls], sample, instances, metrics)
+                replies, shown = await self._run_calls(calls[:max_calls], sample, instances, metrics)
                 ended = bool(tokens) and tokens[-1] in chat.eos_token_ids
                 turn = chat.continuation_ids(
-                    [{"role": "tool", "content": r} for r in replies], ended_with_eos=ended
+                    [_tool_message(r, len(pics)) for r, pics in zip(replies, shown, strict=True)],
+                    ended_with_eos=ended,
                 )
+                new = [image for pics in shown for image in pics]
+                if new:
+                    turn = self._widen_image_tokens(turn, new)
                 if len(response_ids) + len(turn) >= budget:
                     metrics["agent/truncated"] = 1.0
                     break
                 response_ids += turn
+                images += new
                 mask += [0] * len(turn)
                 logprobs += [0.0] * len(turn)
                 if versions is not None:
@@ -125,6 +146,12 @@ class ToolAgentLoop(AgentLoop):
             tool_reward = metrics["tool/step_reward"] + await self._final_rewards(instances, metrics)
             await self._release(instances)
         metrics["agent/model_turns"] = float(model_turns)
+        extra: dict[str, Any] = {}
+        if self.processor is not None:  # the row trains with every image it was shown, tools' included
+            from trellis.data.multimodal import vision_inputs
+
+            extra["multi_modal_data"] = {"image": images, "video": videos}
+            extra["multi_modal_inputs"] = vision_inputs(self.processor, images, videos)
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
@@ -134,7 +161,22 @@ class ToolAgentLoop(AgentLoop):
             metrics=dict(metrics),
             tool_reward=tool_reward,
             response_versions=versions,
+            extra=extra,
         )
+
+    def _widen_image_tokens(self, turn: list[int], images: list[Any]) -> list[int]:
+        """``turn`` with its image pad tokens (one per image, as the chat template renders them) widened
+        to each image's token count under the processor (Qwen-VL family: patches / merge_size²)."""
+        from trellis.data.multimodal import vision_inputs
+
+        grids = vision_inputs(self.processor, images)["image_grid_thw"]
+        merge = int(getattr(self.processor.image_processor, "merge_size", 1))
+        counts = iter([int(g.prod()) // merge**2 for g in grids])
+        pad = self.tokenizer.convert_tokens_to_ids(getattr(self.processor, "image_token", "<|image_pad|>"))
+        out: list[int] = []
+        for token in turn:
+            out += [token] * next(counts) if token == pad else [token]
+        return out
 
     async def _run_calls(
         self,
@@ -142,13 +184,15 @@ class ToolAgentLoop(AgentLoop):
         sample: dict[str, Any],
         instances: dict[str, str],
         metrics: dict[str, float],
-    ) -> list[str]:
-        """Each call's reply text (errors included), calls of one turn run concurrently."""
+    ) -> tuple[list[str], list[list[Any]]]:
+        """Each call's reply text (errors included) and the images it shows the model (none for a text
+        model); calls of one turn run concurrently."""
         cfg = self.agent_config
         timeout = float(agent_setting(cfg, "tool_timeout_s"))
         limit = int(agent_setting(cfg, "max_tool_response_length"))
         side = agent_setting(cfg, "tool_response_truncate_side")
         replies: list[str | None] = [None] * len(calls)
+        shown: list[list[Any]] = [[] for _ in calls]
         jobs = []
         for i, call in enumerate(calls):  # instances are opened one by one, before any call runs
             metrics["tool/calls"] += 1
@@ -175,10 +219,19 @@ class ToolAgentLoop(AgentLoop):
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     metrics[key] += float(value)
             metrics["tool/step_reward"] += float(step_reward)
-            if response.image:  # a text-only loop cannot show them
-                metrics["tool/images_dropped"] += len(response.image)
             replies[i] = response.text or ""
-        return [truncate(r or "", limit, side) for r in replies]
+            if response.image and self.processor is not None:
+                try:
+                    shown[i] = [
+                        load_image(image, where=f"tool {calls[i].name!r}") for image in response.image
+                    ]
+                    metrics["tool/images"] += len(shown[i])
+                except DatasetError as exc:  # garbage for an image: the model reads why, the run goes on
+                    metrics["tool/bad_output"] += 1
+                    replies[i] = f"{replies[i]}\nError: {exc}".lstrip()
+            elif response.image:  # a text model cannot see them
+                metrics["tool/images_dropped"] += len(response.image)
+        return [truncate(r or "", limit, side) for r in replies], shown
 
     async def _open(
         self, name: str, tool: Any, sample: dict[str, Any], instances: dict[str, str], timeout: float

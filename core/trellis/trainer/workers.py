@@ -174,7 +174,7 @@ class ActorRolloutRefWorker(_Role):
         from trellis.registries import rollout_replicas
         from trellis.rollout.agent_loop import AgentLoopManager
         from trellis.rollout.manager import ReplicaManager
-        from trellis.utils.tokenizer import hf_tokenizer
+        from trellis.utils.tokenizer import hf_processor, hf_tokenizer
 
         cfg = self.config
         self.actor = self._engine("actor", cfg.actor, total_steps)
@@ -196,8 +196,13 @@ class ActorRolloutRefWorker(_Role):
             if not self.shares_weights:
                 self.sync_rollout_weights()
             length = cfg.data.max_response_length
+            processor = hf_processor(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
             self.agents = AgentLoopManager(
-                cfg.rollout, self.replicas.replicas, self.tokenizer, response_length=length
+                cfg.rollout,
+                self.replicas.replicas,
+                self.tokenizer,
+                response_length=length,
+                processor=processor,
             )
         self.reward_manager = None
         if cfg.reward.placement == "workers":
