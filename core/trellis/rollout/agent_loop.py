@@ -228,8 +228,8 @@ class AgentLoop(abc.ABC):
             if has_items(sample.get("multi_modal_data")):
                 if self.processor is None:
                     raise ValueError(
-                        f"{type(self).__name__} renders a prompt with images, which needs the model's processor: "
-                        "build the AgentLoopManager with processor=hf_processor(model path)."
+                        f"{type(self).__name__} renders a prompt with images, which needs the model's "
+                        "processor: build the AgentLoopManager with processor=hf_processor(model path)."
                     )
                 return self._vision_prompt_ids(list(messages), sample["multi_modal_data"], tools)
             return self.chat_template().prompt_ids(list(messages), tools)
