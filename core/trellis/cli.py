@@ -296,7 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         return 2
     from trellis.registries import rollout_replicas
-    from trellis.utils.tokenizer import hf_tokenizer
+    from trellis.utils.tokenizer import hf_processor, hf_tokenizer
 
     config = load_config(None, [f"model.path={args.model}", f"rollout.name={args.replica}", *args.overrides])
     replica = rollout_replicas.get(args.replica)(0, config.rollout, config.model)
@@ -308,6 +308,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_parser=args.tool_parser,
         max_inflight=args.max_inflight,
         auto_sessions=True,
+        processor=hf_processor(args.model),  # None for a text model; a vision-language model takes images
     )
     running = start_gateway(gateway, host=args.host, port=args.port)
     stop = threading.Event()

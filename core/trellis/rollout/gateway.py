@@ -36,6 +36,19 @@ agent rewrote its history, or changed its tools) starts a new trajectory, and co
 extended (:meth:`Session.samples`). ``max_response_tokens`` bounds each trajectory's response: a
 call gets at most what is left (``finish_reason: length`` with no tokens once nothing is).
 
+Images. A gateway given the model's multimodal processor (``Gateway(..., processor=hf_processor(path))``;
+``trellis serve`` passes it) takes OpenAI image content parts in chat messages:
+``{"type": "image_url", "image_url": {"url": ...}}`` where the URL is a ``data:`` URL (base64) or a
+path or URL read through fsspec (``http(s)://``, ``s3://``, ``file://``, a local path: mind what a
+gateway reachable by others may read). The messages are rendered with the processor's chat template
+(each image as ``{"type": "image"}``) and tokenized by the processor, so the prompt holds one pad
+token per image token; the replica gets the images as ``multi_modal_data``. Continuing a turn
+renders only the new messages (and decodes only their images), as for text. A trajectory keeps its
+last call's images (:attr:`Trajectory.multi_modal_data`; earlier calls' images come first, as in
+their prompts), and :meth:`Trajectory.to_output` hands them, with the processor's
+``multi_modal_inputs`` for them, to training. Without a processor a request with an image gets a 400
+(param ``messages``); an image that cannot be read gets a 400 naming its message and part.
+
 Streaming returns the finished completion as server-sent chunks (one per token, then the
 ``finish_reason``), since replicas return whole responses.
 """
@@ -43,13 +56,17 @@ Streaming returns the finished completion as server-sent chunks (one per token, 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -59,8 +76,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from trellis.data import multimodal
+from trellis.errors import DatasetError
 from trellis.rollout.agent_loop import AgentLoopOutput, ReplicaRouter
-from trellis.rollout.chat import ChatTemplate
+from trellis.rollout.base import has_items
+from trellis.rollout.chat import ChatTemplate, tool_schemas
 from trellis.rollout.sampling import SamplingParams, TokenOutput
 from trellis.rollout.tool_parser import get_tool_parser
 from trellis.utils.tokenizer import normalize_token_ids
@@ -111,13 +131,26 @@ class Trajectory:
     response_versions: list[int] | None = field(default_factory=list)
     calls: int = 0
     finish_reason: str | None = None
+    multi_modal_data: dict[str, list[Any]] | None = None
+    """The images of the trajectory's last call, ``{"image": [PIL images], "video": []}`` in the order of
+    their pad tokens (an earlier call's images come first, as in its prompt); None for text."""
+    processor: Any = field(default=None, repr=False, compare=False)
+    """The model's multimodal processor (set with images): :meth:`to_output` computes their
+    ``multi_modal_inputs`` with it."""
 
     def tokens(self) -> list[int]:
         """Prompt and response: what a call must start with to continue this trajectory."""
         return self.prompt_ids + self.response_ids
 
-    def extended(self, between: Sequence[int], out: TokenOutput) -> Trajectory:
-        """A copy continued by ``between`` (mask 0) and the completion ``out`` (mask 1)."""
+    def extended(
+        self,
+        between: Sequence[int],
+        out: TokenOutput,
+        multi_modal_data: dict[str, list[Any]] | None = None,
+        processor: Any = None,
+    ) -> Trajectory:
+        """A copy continued by ``between`` (mask 0) and the completion ``out`` (mask 1); the call's
+        ``multi_modal_data`` (all the images of its prompt) replaces this trajectory's when given."""
         tokens = list(out.token_ids)
         versions = self.response_versions
         if versions is not None and out.weight_versions is not None:
@@ -133,10 +166,32 @@ class Trajectory:
             response_versions=versions,
             calls=self.calls + 1,
             finish_reason=_finish_reason(out),
+            multi_modal_data=self.multi_modal_data if multi_modal_data is None else multi_modal_data,
+            processor=self.processor if processor is None else processor,
         )
 
     def to_output(self, **fields: Any) -> AgentLoopOutput:
-        """The trajectory as an agent loop's output (``fields``: reward, metrics, extra ...)."""
+        """The trajectory as an agent loop's output (``fields``: reward, metrics, extra ...).
+
+        With images, ``extra`` also holds ``multi_modal_data`` (the images) and ``multi_modal_inputs``
+        (the processor's tensors for them: ``pixel_values``, ``image_grid_thw``, ...), the non-tensor
+        columns a vision-language model trains on.
+
+        Raises:
+            ValueError: the trajectory has images but no :attr:`processor` to compute their inputs.
+        """
+        if self.multi_modal_data is not None:
+            if self.processor is None:
+                raise ValueError(
+                    "Trajectory.to_output: the trajectory has images but no processor to compute their "
+                    "multi_modal_inputs; set Trajectory.processor (a Gateway given processor= sets it)."
+                )
+            images = list(self.multi_modal_data.get("image") or [])
+            videos = [list(v) for v in self.multi_modal_data.get("video") or []]
+            extra = dict(fields.pop("extra", None) or {})
+            extra[multimodal.MULTI_MODAL_DATA] = {"image": images, "video": videos}
+            extra[multimodal.MULTI_MODAL_INPUTS] = multimodal.vision_inputs(self.processor, images, videos)
+            fields["extra"] = extra
         return AgentLoopOutput(
             prompt_ids=list(self.prompt_ids),
             response_ids=list(self.response_ids),
@@ -164,8 +219,9 @@ class Session:
 
     Args:
         session_id: the id in its URL (``/sessions/<id>/v1``).
-        generate: ``async (prompt_ids, sampling_params) -> TokenOutput``; None: the gateway's router,
-            sticky to this session.
+        generate: ``async (prompt_ids, sampling_params) -> TokenOutput``, also given
+            ``multi_modal_data=`` for a prompt with images (as ``ReplicaSession.generate`` takes it);
+            None: the gateway's router, sticky to this session.
         loop: the event loop ``generate`` must run on (None: the gateway's own).
         defaults: sampling parameters for what a request leaves unset (e.g. the rollout's temperature).
         max_response_tokens: most response tokens one trajectory may hold (None: no bound).
@@ -218,8 +274,16 @@ class Session:
         used = len(prompt_ids) - len(base.prompt_ids) if base is not None else 0
         return max(0, self.max_response_tokens - used)
 
-    def record(self, prompt_ids: list[int], base: Trajectory | None, out: TokenOutput) -> Trajectory:
-        """Capture one completion of ``prompt_ids`` (continuing ``base`` when given)."""
+    def record(
+        self,
+        prompt_ids: list[int],
+        base: Trajectory | None,
+        out: TokenOutput,
+        multi_modal_data: dict[str, list[Any]] | None = None,
+        processor: Any = None,
+    ) -> Trajectory:
+        """Capture one completion of ``prompt_ids`` (continuing ``base`` when given); ``multi_modal_data``:
+        the prompt's images, with the ``processor`` that tokenized them."""
         with self.lock:
             self.metrics["gateway/calls"] += 1
             if base is None:
@@ -230,7 +294,7 @@ class Session:
             else:
                 self._extended.add(id(base))
                 between = list(prompt_ids[len(base.tokens()) :])
-            traj = base.extended(between, out)
+            traj = base.extended(between, out, multi_modal_data, processor)
             self.trajectories.append(traj)
             return traj
 
@@ -272,6 +336,8 @@ class Gateway:
         auto_sessions: open a session on the first request to an unknown ``/sessions/<id>`` (serving);
             off: such requests get 404 (training opens its sessions itself).
         chat_template_kwargs: passed to every ``apply_chat_template`` call.
+        processor: the model's multimodal processor (:func:`trellis.utils.tokenizer.hf_processor`) for
+            chat messages with images; None: requests with images get a 400.
     """
 
     def __init__(
@@ -284,6 +350,7 @@ class Gateway:
         max_inflight: int = 256,
         auto_sessions: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        processor: Any = None,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}.")
@@ -295,6 +362,12 @@ class Gateway:
         self.auto_sessions = auto_sessions
         self.chat = (
             ChatTemplate(tokenizer, **dict(chat_template_kwargs or {})) if _has_template(tokenizer) else None
+        )
+        self.processor = processor
+        self.vision = (
+            _VisionChat(processor, tokenizer, self.chat.eos_token_ids, dict(chat_template_kwargs or {}))
+            if processor is not None and self.chat is not None
+            else None
         )
         self.sessions: dict[str, Session] = {}
         self.inflight = 0
@@ -375,7 +448,7 @@ class Gateway:
         async def trajectories(session_id: str) -> dict[str, Any]:
             session = self._session(session_id)
             assert session is not None
-            return {"session": session_id, "trajectories": [dataclasses.asdict(t) for t in session.samples()]}
+            return {"session": session_id, "trajectories": [_trajectory_json(t) for t in session.samples()]}
 
         for prefix in ("", "/sessions/{session_id}"):
             app.add_api_route(prefix + "/health", health, methods=["GET"])
@@ -388,7 +461,7 @@ class Gateway:
                 session = self.close_session(session_id)
             except KeyError:
                 raise APIError(404, f"no open session {session_id!r}.", code="session_not_found") from None
-            return {"session": session_id, "trajectories": [dataclasses.asdict(t) for t in session.samples()]}
+            return {"session": session_id, "trajectories": [_trajectory_json(t) for t in session.samples()]}
 
         app.add_api_route("/sessions/{session_id}/trajectories", trajectories, methods=["GET"])
         app.add_api_route("/sessions/{session_id}", close, methods=["DELETE"])
@@ -419,8 +492,14 @@ class Gateway:
             )
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        prompt_ids, base = self._chat_prompt(messages, tools, session)
-        outs, params = await self._generate(body, session, prompt_ids, base, max_tokens, param, logprobs)
+        images: dict[str, list[Any]] | None = None
+        if _has_images(messages):
+            prompt_ids, base, images = await self._vision_prompt(messages, tools, session)
+        else:
+            prompt_ids, base = self._chat_prompt(messages, tools, session)
+        outs, params = await self._generate(
+            body, session, prompt_ids, base, max_tokens, param, logprobs, multi_modal_data=images
+        )
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         choices = []
         for index, (out, traj) in enumerate(outs):
@@ -524,6 +603,46 @@ class Gateway:
             ) from exc
         return ids, session.base(ids) if session is not None else None
 
+    async def _vision_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, session: Session | None
+    ) -> tuple[list[int], Trajectory | None, dict[str, list[Any]]]:
+        """A chat request with images: its prompt (one pad token per image token), the trajectory it
+        continues (None: a new one), and its images in the order of their pad tokens."""
+        if self.vision is None:
+            raise _bad(
+                "messages",
+                f"the model {self.model_name!r} takes no images: this gateway has no multimodal processor "
+                "for it. Send text content only, or serve a vision-language model (Gateway(..., "
+                "processor=hf_processor(path)); trellis serve loads it).",
+            )
+        if session is not None:
+            match = session.match_turn([_norm_message(m) for m in messages], _norm(tools))
+            if match is not None:
+                turn, new = match
+                start = len(messages) - len(new)
+                images = await _load_images(messages, start)  # only the new messages': the rest are known
+                try:
+                    more = self.vision.continuation_ids(
+                        [_template_message(m) for m in messages[start:]],
+                        images,
+                        ended_with_eos=turn.ended_with_eos,
+                    )
+                except ValueError:  # an unstable template: render afresh (a new trajectory)
+                    session.metrics["gateway/unstable_template"] += 1
+                else:
+                    earlier = list((turn.trajectory.multi_modal_data or {}).get("image") or [])
+                    prompt = turn.trajectory.tokens() + more
+                    return prompt, turn.trajectory, {"image": [*earlier, *images], "video": []}
+        images = await _load_images(messages, 0)
+        try:
+            ids = self.vision.render([_template_message(m) for m in messages], images, tools=tools)
+        except Exception as exc:  # the template or the processor refused these messages
+            raise _bad(
+                "messages",
+                f"the chat template or processor cannot render these messages: {type(exc).__name__}: {exc}",
+            ) from exc
+        return ids, session.base(ids) if session is not None else None, {"image": images, "video": []}
+
     def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -556,6 +675,7 @@ class Gateway:
         max_tokens: Any,
         max_param: str,
         logprobs: bool,
+        multi_modal_data: dict[str, list[Any]] | None = None,
     ) -> tuple[list[tuple[TokenOutput, Trajectory | None]], SamplingParams]:
         n = _int(body, "n", 1, 1, MAX_N)
         params = self._sampling(body, session, max_tokens, max_param, logprobs or session is not None)
@@ -587,7 +707,7 @@ class Gateway:
                     if params.seed is None or i == 0
                     else dataclasses.replace(params, seed=params.seed + i)
                 )
-                calls.append(self._one(session, prompt_ids, p))
+                calls.append(self._one(session, prompt_ids, p, multi_modal_data))
             outs = await asyncio.gather(*calls)
         finally:
             with self._lock:
@@ -601,15 +721,24 @@ class Gateway:
                     type="server_error",
                     code="replica_unavailable",
                 )
-            traj = session.record(prompt_ids, base, out) if session is not None else None
+            traj = None
+            if session is not None:
+                processor = self.processor if multi_modal_data is not None else None
+                traj = session.record(prompt_ids, base, out, multi_modal_data, processor)
             results.append((out, traj))
         return results, params
 
     async def _one(
-        self, session: Session | None, prompt_ids: list[int], params: SamplingParams
+        self,
+        session: Session | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        multi_modal_data: dict[str, list[Any]] | None = None,
     ) -> TokenOutput:
         if session is not None and session.generate is not None:
-            coro = session.generate(prompt_ids, params)
+            # the images go as a keyword only when there are some: text-only generate callables stay valid
+            extra = {"multi_modal_data": multi_modal_data} if has_items(multi_modal_data) else {}
+            coro = session.generate(prompt_ids, params, **extra)
             loop = session.loop
         else:
             if self.router is None:
@@ -624,6 +753,7 @@ class Gateway:
                 prompt_ids,
                 params,
                 release=session is None,
+                multi_modal_data=multi_modal_data,
             )
             loop = None
         if loop is None or loop is asyncio.get_running_loop():
@@ -631,7 +761,13 @@ class Gateway:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_awaited(coro), loop))
 
     async def _routed(
-        self, key: str, prompt_ids: list[int], params: SamplingParams, *, release: bool
+        self,
+        key: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        release: bool,
+        multi_modal_data: dict[str, list[Any]] | None = None,
     ) -> TokenOutput:
         assert self.router is not None
         replica = self.router.replica_for(key)
@@ -643,7 +779,18 @@ class Gateway:
                     type="server_error",
                     code="weights_syncing",
                 )
-            return await replica.generate(prompt_ids, params, f"gw-{uuid.uuid4().hex}")
+            request_id = f"gw-{uuid.uuid4().hex}"
+            if has_items(multi_modal_data):
+                if not getattr(replica, "supports_multi_modal", False):
+                    raise _bad(
+                        "messages",
+                        f"the {type(replica).__name__} serving {self.model_name!r} takes no images; serve "
+                        "vision-language models with a replica that does (rollout.name=hf or vllm).",
+                    )
+                return await replica.generate(
+                    prompt_ids, params, request_id, multi_modal_data=multi_modal_data
+                )
+            return await replica.generate(prompt_ids, params, request_id)
         finally:
             if release:
                 self.router.release(key)
@@ -812,6 +959,152 @@ class Gateway:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
 
+# ---------------------------------------------------------------- images
+
+
+_VISION_PROBE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+"""A fixed turn pair the continuation of a conversation is rendered after (as ``ChatTemplate`` does)."""
+
+
+class _VisionChat:
+    """Chat messages with images as token ids: the chat template (the processor's, else the tokenizer's)
+    renders each ``{"type": "image"}`` part as the model's placeholder, and the processor widens it to
+    one pad token per image token (:func:`trellis.data.multimodal.process`).
+
+    :meth:`continuation_ids` works like :meth:`trellis.rollout.chat.ChatTemplate.continuation_ids`:
+    new messages are rendered after a fixed turn pair, whose tokens are cut off again.
+    """
+
+    def __init__(
+        self, processor: Any, tokenizer: Any, eos_token_ids: Sequence[int], template_kwargs: dict[str, Any]
+    ) -> None:
+        self.processor = processor
+        self.renderer = processor if getattr(processor, "chat_template", None) else tokenizer
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.template_kwargs = template_kwargs
+        self._probe: list[int] | None = None
+
+    def text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The chat template's text for ``messages`` (and ``tools``)."""
+        kwargs = dict(self.template_kwargs)
+        schemas = tool_schemas(tools)
+        if schemas is not None:
+            kwargs["tools"] = schemas
+        text = self.renderer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        if isinstance(text, list) and len(text) == 1:  # a processor may answer a batch of one
+            text = text[0]
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) gave {type(text).__name__}, not text.")
+        return text
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        images: Sequence[Any],
+        *,
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token ids of ``messages`` whose image parts hold ``images`` (in order)."""
+        text = self.text(messages, tools, add_generation_prompt)
+        return multimodal.process(self.processor, text, images)[0]
+
+    def continuation_ids(
+        self, messages: Sequence[Mapping[str, Any]], images: Sequence[Any], *, ended_with_eos: bool
+    ) -> list[int]:
+        """Tokens that follow the model's last turn: ``messages`` (holding ``images``), then the next
+        generation prompt; closed first with the end-of-turn token when the turn did not end with it.
+
+        Raises:
+            ValueError: the template renders earlier turns differently once ``messages`` follow them.
+        """
+        if self._probe is None:
+            self._probe = self.render(_VISION_PROBE, (), add_generation_prompt=False)
+        probe = self._probe
+        full = self.render([*_VISION_PROBE, *messages], images)
+        if full[: len(probe)] != probe:
+            raise ValueError(
+                "the chat template renders earlier turns differently when later turns follow them."
+            )
+        ends = [i for i, t in enumerate(probe) if t in self.eos_token_ids]
+        closing = probe[ends[-1] + 1 :] if ends else []
+        head = closing if ended_with_eos else self.eos_token_ids[:1] + closing
+        return head + full[len(probe) :]
+
+
+def _has_images(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a request's messages (as :func:`_messages` gives them) hold an image part."""
+    return any(isinstance(m.get("content"), list) for m in messages)
+
+
+async def _load_images(messages: Sequence[Mapping[str, Any]], start: int) -> list[Any]:
+    """The images of ``messages[start:]``, in order, as RGB PIL images (read in a worker thread: a URL
+    may take a while, and the event loop serves the other requests meanwhile)."""
+    sources = [
+        (i, j, part["image_url"]["url"])
+        for i in range(start, len(messages))
+        if isinstance(messages[i].get("content"), list)
+        for j, part in enumerate(messages[i]["content"])
+        if part["type"] == "image_url"
+    ]
+    if not sources:
+        return []
+    return await asyncio.to_thread(lambda: [_load_image(url, i, j) for i, j, url in sources])
+
+
+def _load_image(url: str, index: int, part: int) -> Any:
+    """The image of ``messages[index].content[part]``: a ``data:`` URL decoded, any other URL or path read
+    through fsspec; a 400 naming the message and part when it cannot be read."""
+    where, param = f"messages[{index}].content[{part}]", f"messages[{index}]"
+    source: Any = url
+    if url.startswith("data:"):
+        header, comma, payload = url.partition(",")
+        if not comma:
+            raise _bad(param, f"{where}: the data URL has no ',' before its data ({url[:40]!r}...).")
+        try:
+            if header.endswith(";base64"):
+                source = base64.b64decode("".join(payload.split()), validate=True)
+            else:
+                source = urllib.parse.unquote_to_bytes(payload)
+        except (binascii.Error, ValueError) as exc:
+            raise _bad(param, f"{where}: the data URL's base64 data is invalid ({exc}).") from exc
+    try:
+        return multimodal.load_image(source, where=where)
+    except DatasetError as exc:
+        raise _bad(param, str(exc)) from exc
+
+
+def _image_url(value: Any, where: str, param: str) -> str:
+    """The URL of an ``image_url`` part: ``{"url": ...}`` (OpenAI's layout) or the URL itself."""
+    url = value.get("url") if isinstance(value, Mapping) else value
+    if not isinstance(url, str) or not url:
+        raise _bad(
+            param,
+            f"{where}: an image_url part must be {{'type': 'image_url', 'image_url': {{'url': ...}}}} with a "
+            "data: URL (base64), a path or an http(s) URL.",
+        )
+    return url
+
+
+def _trajectory_json(traj: Trajectory) -> dict[str, Any]:
+    """A trajectory as JSON: its fields, with the number of images for the images themselves."""
+    data = {
+        f.name: getattr(traj, f.name)
+        for f in dataclasses.fields(traj)
+        if f.name not in ("multi_modal_data", "processor")
+    }
+    if traj.multi_modal_data is not None:
+        data["num_images"] = len(traj.multi_modal_data.get("image") or ())
+    return data
+
+
 # ---------------------------------------------------------------- serving
 
 
@@ -968,7 +1261,31 @@ def _text(content: Any, where: str) -> str:
                 )
             parts.append(part["text"])
         return "".join(parts)
-    raise _bad(where, f"{where}: content must be a string or a list of text parts.")
+    raise _bad(where, f"{where}: content must be a string or a list of text (and image_url) parts.")
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: text (a string, or a list of text parts) as one string; with image parts,
+    the list of parts: ``{"type": "text", "text": ...}`` and
+    ``{"type": "image_url", "image_url": {"url": ...}}``."""
+    if not isinstance(content, list):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") == "image_url":
+            url = _image_url(part.get("image_url"), f"{where}.content[{j}]", where)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise _bad(
+                where,
+                f"{where}: content part of type {kind!r} is not supported; send text or image_url parts.",
+            )
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
@@ -986,7 +1303,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         ):
             raise _bad(where, f"{where} must be an object with role system, user, assistant or tool.")
         message = dict(m)
-        message["content"] = _text(m.get("content"), where)
+        message["content"] = _content(m.get("content"), where)
         calls = m.get("tool_calls")
         if calls is not None and not (
             isinstance(calls, list)
@@ -1030,6 +1347,11 @@ def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     result = {k: v for k, v in message.items() if v is not None}
     if result.get("role") == "developer":
         result["role"] = "system"
+    if isinstance(result.get("content"), list):  # with images: each one the template's image part
+        result["content"] = [
+            {"type": "image"} if p["type"] == "image_url" else {"type": "text", "text": p["text"]}
+            for p in result["content"]
+        ]
     if message.get("tool_calls"):
         result["tool_calls"] = [
             {
@@ -1052,8 +1374,23 @@ def _norm_message(message: Mapping[str, Any]) -> tuple[Any, ...]:
         for c in message.get("tool_calls") or ()
     )
     content = message.get("content")
-    text = content if isinstance(content, str) else _text(content, "message") if content is not None else ""
-    return (message.get("role"), text.strip(), calls, message.get("tool_call_id"), message.get("name"))
+    norm: Any
+    if isinstance(content, list) and any(
+        isinstance(p, Mapping) and p.get("type") == "image_url" for p in content
+    ):
+        # the parts in order, an image by its URL's digest (a data URL may be megabytes)
+        norm = tuple(
+            ("image", hashlib.sha256(p["image_url"]["url"].encode()).hexdigest())
+            if p.get("type") == "image_url"
+            else ("text", p.get("text"))
+            for p in content
+        )
+    else:
+        norm = (
+            content if isinstance(content, str) else _text(content, "message") if content is not None else ""
+        )
+        norm = norm.strip()
+    return (message.get("role"), norm, calls, message.get("tool_call_id"), message.get("name"))
 
 
 def _norm(value: Any) -> str:

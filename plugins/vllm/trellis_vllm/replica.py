@@ -24,6 +24,18 @@ renormalised distribution (``hf``'s are before truncation); set
 ``engine_kwargs.logprobs_mode`` to change it. The model's own ``generation_config`` defaults
 (repetition penalty, ...) are not applied (``generation_config="vllm"``), as in ``hf``.
 
+**Images and videos.** ``generate(..., multi_modal_data={"image": [...], "video": [...]})`` serves
+vision-language models (:attr:`supports_multi_modal`): the items go to vLLM as the prompt's
+``multi_modal_data`` (a ``vllm.inputs.TokensPrompt``, with the token ids), and vLLM runs the model's
+processor on them. Trellis prompts hold one pad token per image (video) token, as the Hugging Face
+processor widens them and training needs them; vLLM expects one placeholder token per item and
+widens it itself (it would widen every pad of a widened run again). So each run of the model's
+image (video) pad token, ``image_token_id`` / ``video_token_id`` in its config, goes to vLLM as one
+token (:func:`vllm_prompt`), which vLLM widens back to as many image tokens: the model sees the
+caller's prompt. That is the layout of the Qwen2-VL family and LLaVA-style models (one run of pads
+per item); a prompt whose runs do not match its items is refused with both counts named. Text-only
+requests are sent exactly as before.
+
 **Weights.** ``update_weights(named_tensors)`` writes the tensors (Hugging Face names) to one
 file of raw bytes in ``/dev/shm`` per bucket and has every worker load it through vLLM's
 in-place layerwise reload (see :mod:`trellis_vllm.worker`). One reload session spans all the
@@ -92,10 +104,11 @@ import logging
 import os
 import tempfile
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from trellis.rollout import RolloutReplica, SamplingParams, TokenOutput
+from trellis.rollout.base import has_items
 from trellis.utils.loop_thread import LoopThread
 from trellis.utils.settings import setting
 
@@ -134,6 +147,68 @@ def token_output(completion: Any, wants_logprobs: bool) -> TokenOutput:
     reason = completion.finish_reason
     stop_reason = "length" if reason == "length" else "abort" if reason == "abort" else "stop"
     return TokenOutput(tokens, log_probs, stop_reason)
+
+
+def vllm_prompt(
+    prompt_ids: Sequence[int],
+    multi_modal_data: Mapping[str, Any] | None = None,
+    placeholder_ids: Mapping[str, int] | None = None,
+    request_id: str = "",
+) -> dict[str, Any]:
+    """The prompt ``AsyncLLM.generate`` takes (a ``vllm.inputs.TokensPrompt``) for a Trellis request.
+
+    Without items: ``{"prompt_token_ids": prompt_ids}``. With images or videos
+    (``{"image": [...], "video": [[frames], ...]}``): each run of a modality's pad token
+    (``placeholder_ids``, e.g. ``{"image": 151655, "video": 151656}``) becomes one token, since vLLM
+    widens each item's placeholder itself, and ``multi_modal_data`` lists the items of every modality
+    that has some.
+
+    Raises:
+        ValueError: a modality with items the model has no pad token for, an unknown modality, or a
+            number of pad runs that differs from the number of items (the message names both).
+    """
+    ids = [int(t) for t in prompt_ids]
+    if multi_modal_data is None or not has_items(multi_modal_data):
+        return {"prompt_token_ids": ids}
+    unknown = sorted(k for k, v in multi_modal_data.items() if k not in ("image", "video") and len(v or ()))
+    if unknown:
+        raise ValueError(
+            f"request {request_id!r}: multi_modal_data holds {', '.join(unknown)}; the vllm replica takes "
+            "'image' and 'video' items."
+        )
+    data: dict[str, list[Any]] = {}
+    for modality in ("image", "video"):
+        items = list(multi_modal_data.get(modality) or ())
+        if not items:
+            continue
+        token = (placeholder_ids or {}).get(modality)
+        if token is None:
+            raise ValueError(
+                f"request {request_id!r}: the request has {modality}s, but the model's config names no "
+                f"{modality}_token_id; serve a vision-language model (model.path) to generate with them."
+            )
+        ids, runs = _collapse_runs(ids, token)
+        if runs != len(items):
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {runs} run(s) of the {modality} pad token {token} "
+                f"but multi_modal_data has {len(items)} {modality}(s); give one run of pad tokens per item, "
+                "in order (the processor's output does)."
+            )
+        data[modality] = items
+    return {"prompt_token_ids": ids, "multi_modal_data": data}
+
+
+def _collapse_runs(ids: list[int], token: int) -> tuple[list[int], int]:
+    """``ids`` with every run of ``token`` shortened to one, and the number of runs."""
+    out: list[int] = []
+    runs = 0
+    for t in ids:
+        if t == token:
+            if out and out[-1] == token:
+                continue
+            runs += 1
+        out.append(t)
+    return out, runs
 
 
 def resumed_seed(seed: int, offset: int) -> int:
@@ -250,6 +325,8 @@ def _shutdown_engine(loop_thread: LoopThread, state: dict[str, Any]) -> None:
 class VLLMRolloutReplica(RolloutReplica):
     """Generation on vLLM's async engine (see the module docstring for modes, weights and sleep)."""
 
+    supports_multi_modal = True
+
     def __init__(self, replica_rank: int, rollout_config: Any, model_config: Any) -> None:
         super().__init__(replica_rank, rollout_config, model_config)
         kwargs = dict(getattr(rollout_config, "engine_kwargs", None) or {})
@@ -286,6 +363,7 @@ class VLLMRolloutReplica(RolloutReplica):
         self._state: dict[str, Any] = {}
         self._finalizer: Any = None
         self._tied: dict[str, str] = {}  # input-embedding name -> output name sharing its weight
+        self._placeholders: dict[str, int] = {}  # modality -> its pad token id (vision-language models)
         self._traffic = _Traffic()  # requests around weight updates, on the engine loop
 
     @classmethod
@@ -312,6 +390,7 @@ class VLLMRolloutReplica(RolloutReplica):
         if self.engine is not None:
             raise RuntimeError("VLLMRolloutReplica.init called twice; shut the replica down first.")
         self._tied = await asyncio.to_thread(_tied_weights, self.model_config)
+        self._placeholders = await asyncio.to_thread(_placeholder_ids, self.model_config)
         self._set_environment()
         self._loop = LoopThread(f"trellis-vllm-{self.replica_rank}")
         self._finalizer = weakref.finalize(self, _shutdown_engine, self._loop, self._state)
@@ -394,15 +473,22 @@ class VLLMRolloutReplica(RolloutReplica):
     # ------------------------------------------------------------------ generation
 
     async def generate(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        multi_modal_data: Mapping[str, Any] | None = None,
     ) -> TokenOutput:
         if self.engine is None:
             raise RuntimeError("VLLMRolloutReplica.generate before init(): await replica.init(mode) first.")
-        prompt = self.check_request(prompt_ids, sampling_params, request_id)
-        return await self._loop.call(self._generate(prompt, sampling_params, request_id))
+        prompt = self.check_request(prompt_ids, sampling_params, request_id, multi_modal_data)
+        engine_prompt = vllm_prompt(prompt, multi_modal_data, self._placeholders, request_id)
+        return await self._loop.call(self._generate(engine_prompt, sampling_params, request_id))
 
-    async def _generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> TokenOutput:
-        """On the engine loop: one response, in several segments when weight updates interrupt it."""
+    async def _generate(self, prompt: dict[str, Any], params: SamplingParams, request_id: str) -> TokenOutput:
+        """On the engine loop: one response to ``prompt`` (:func:`vllm_prompt`), in several segments
+        when weight updates interrupt it (each resumed with the same images, if any)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -432,7 +518,7 @@ class VLLMRolloutReplica(RolloutReplica):
             final = None
             try:
                 # FINAL_ONLY: one output, when the request finishes or is aborted (with its tokens so far)
-                context = {"prompt_token_ids": prompt + tokens}
+                context = {**prompt, "prompt_token_ids": prompt["prompt_token_ids"] + tokens}
                 async for output in self.engine.generate(context, sp, engine_id):
                     final = output
             finally:
@@ -641,6 +727,25 @@ def _tied_weights(model_config: Any) -> dict[str, str]:
     if getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)):
         return {"model.embed_tokens.weight": "lm_head.weight"}
     return {}
+
+
+def _placeholder_ids(model_config: Any) -> dict[str, int]:
+    """``{"image": id, "video": id}``: the pad tokens that stand for items in the model's prompts
+    (``image_token_id`` / ``video_token_id``, or LLaVA's ``image_token_index``); empty for a text model."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(
+        model_config.path, trust_remote_code=bool(getattr(model_config, "trust_remote_code", False))
+    )
+    ids: dict[str, int] = {}
+    for modality, names in (
+        ("image", ("image_token_id", "image_token_index")),
+        ("video", ("video_token_id",)),
+    ):
+        token = next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+        if token is not None:
+            ids[modality] = int(token)
+    return ids
 
 
 def _default_weights_dir() -> str:
