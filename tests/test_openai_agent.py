@@ -204,12 +204,13 @@ def test_the_trainer_trains_an_openai_sdk_agent_and_its_reward_rises(tmp_path):
     import runpy
 
     example = runpy.run_path(str(ROOT / "contrib" / "openai-agent" / "train.py"))
-    result = example["train"](str(tmp_path), steps=6)
+    result = example["train"](str(tmp_path), steps=10)
     rewards = [m["reward/mean"] for m in result.history]
     assert all(m["agent/tool_calls"] > 0.9 for m in result.history[:2]), result.history[0]
     assert all(m["gateway/calls"] >= 1.9 for m in result.history[:2])  # a tool call, then the answer
-    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
-    assert last > 2 * first + 0.01 and rewards[-1] > rewards[0], rewards  # measured: 0.017 -> 0.046
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    # measured (transformers 5.25): 0.014 0.029 0.018 0.038 0.044 0.025 0.038 0.050 0.078 0.116
+    assert last > 2 * first + 0.01 and rewards[-1] > rewards[0], rewards
 
 
 def test_a_batch_of_split_prompts_trains_with_old_log_probs_and_even_shares(agent_file, tmp_path):

@@ -149,10 +149,12 @@ def test_partial_rollout_resumes_the_response_with_the_new_weights(base):
     torch.testing.assert_close(
         torch.tensor(out.log_probs[:k]), teacher_forced_log_probs(model, prompt, prefix, 0), atol=1e-4, rtol=0
     )
+    # 54 cached decode steps on the perturbed weights against one teacher-forced pass: fp32 rounding
+    # reached 1.05e-4 on one token with transformers 5.25 (below 1e-4 with 5.24)
     torch.testing.assert_close(
         torch.tensor(out.log_probs[k:]),
         teacher_forced_log_probs(new_model, prompt + prefix, rest, 0),
-        atol=1e-4,
+        atol=2e-4,
         rtol=0,
     )
     # the row that had finished when the batch was interrupted is resolved as it was

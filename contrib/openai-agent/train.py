@@ -1,6 +1,6 @@
 """Train the agent of ``agent.py`` (the real ``openai`` SDK) with GRPO on the tiny model, on the CPU.
 
-    python contrib/openai-agent/train.py [--steps 6] [--workdir DIR]
+    python contrib/openai-agent/train.py [--steps 10] [--workdir DIR]
 
 The tiny model is first taught to call the calculator (a few seconds of supervised steps, see
 :mod:`trellis.recipes.calculator`); RL then teaches it to answer the tool's result in digits, which is
@@ -17,7 +17,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def train(workdir: str, steps: int = 6, extra: list[str] | None = None) -> Any:
+def train(workdir: str, steps: int = 10, extra: list[str] | None = None) -> Any:
     """Run ``steps`` GRPO steps of the agent in ``workdir``; returns the ``TrainResult``."""
     import trellis
     from trellis.config import load_config
@@ -36,7 +36,7 @@ def train(workdir: str, steps: int = 6, extra: list[str] | None = None) -> Any:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--workdir", help="where the model, data and run go (default: a temporary folder)")
     args = parser.parse_args()
     import torch
