@@ -106,6 +106,7 @@ def bench(session: nox.Session) -> None:
     session.install("gguf")
     # grpo_vs_trl.py: TRL on the same pip line as torch, so the pinned CPU build stays
     session.install(TORCH, "trl>=1.16")
+    # multimodal.py builds its tiny Qwen2-VL at run time; images only, so it needs no torchvision
     scripts = session.posargs or sorted(
         os.path.join("benchmarks", f)
         for f in os.listdir("benchmarks")

@@ -562,3 +562,40 @@ def test_a_tool_shows_the_model_an_image_and_the_row_trains_with_it(vl_path, par
     assert bad.meta_info["metrics"]["tool/bad_output"] == 1.0
     assert "Error: tool 'camera': cannot read the image" in tokenizer.decode(Scripted.seen[-1][0])
     assert len(bad.non_tensor_batch["multi_modal_data"][0]["image"]) == 1
+
+
+def test_a_prompt_whose_pad_tokens_do_not_match_its_images_fails_alone_and_at_once(vl_path, parts, tmp_path):
+    """One pad token too many (e.g. one the policy generated in an earlier turn): that request fails with
+    both counts named, in seconds (transformers would raise StopIteration in the worker thread, which
+    asyncio cannot hand back: the request would hang), and a good request beside it is served."""
+    from trellis.config import load_config
+    from trellis.data.dataset import RLDataset
+    from trellis.rollout.hf import HFRolloutReplica
+    from trellis.rollout.sampling import SamplingParams
+
+    tokenizer, processor = parts
+    rows = [
+        {"prompt": [{"role": "user", "content": "<image>Look."}], "images": [{"bytes": png(), "path": None}]}
+    ]
+    item = RLDataset(write(tmp_path, rows), tokenizer, processor=processor, max_prompt_length=64)[0]
+    good, images = item["raw_prompt_ids"], item["multi_modal_data"]
+    bad = [*good, tokenizer.convert_tokens_to_ids("<|image_pad|>"), *good[-3:]]
+    config = load_config(None, [f"model.path={vl_path}", "model.dtype=float32"])
+    replica = HFRolloutReplica(0, config.rollout, config.model)
+    asyncio.run(replica.init("colocated", tokenizer=tokenizer))
+    params = SamplingParams(max_tokens=3)
+
+    async def both():
+        return await asyncio.wait_for(
+            asyncio.gather(
+                replica.generate(bad, params, "bad", multi_modal_data=images),
+                replica.generate(good, params, "good", multi_modal_data=images),
+                return_exceptions=True,
+            ),
+            timeout=60,
+        )
+
+    failed, served = asyncio.run(both())
+    assert isinstance(failed, ValueError)
+    assert "request 'bad': the prompt holds 5 image pad tokens but its 1 image(s) make 4" in str(failed)
+    assert len(served.token_ids) == 3

@@ -104,7 +104,7 @@ def build_tiny_vl_model(tokenizer: Any, seed: int = 0, **text_config: Any) -> An
         vision_config={
             "depth": 1,
             "embed_dim": 32,
-            "hidden_size": 64,
+            "hidden_size": text["hidden_size"],  # the merger's output: the text model's width
             "num_heads": 2,
             "mlp_ratio": 2,
             "patch_size": 14,

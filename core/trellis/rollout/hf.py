@@ -137,6 +137,7 @@ class _Request:
     prefix_log_probs: list[float] = field(default_factory=list)  # their log-probs, when asked for
     prefix_versions: list[int] = field(default_factory=list)  # their weight versions
     multi_modal_data: Any = None  # the prompt's images and videos (vision-language models)
+    vision: dict[str, Any] = field(default_factory=dict)  # their processor tensors (pixel values, grids)
 
     def segment_params(self) -> SamplingParams:
         """The params of the next segment: ``max_tokens`` less the tokens already generated."""
@@ -454,7 +455,8 @@ class HFRolloutReplica(RolloutReplica):
                         while len(batch) < self.max_batch_size and not queue.empty():
                             batch.append(queue.get_nowait())
                         version = self.weight_version  # read under the lock: the version of these weights
-                        outputs = await asyncio.to_thread(self._run_batch, batch, version)
+                        batch = await self._with_vision(batch)
+                        outputs = await asyncio.to_thread(self._run_batch, batch, version) if batch else []
                 if held_back:  # the update queued for the lock first, so it gets it now
                     await asyncio.sleep(0)  # (yields even if that update waits on another loop's lock)
                     continue
@@ -495,21 +497,74 @@ class HFRolloutReplica(RolloutReplica):
             self._processor = processor
         return self._processor
 
+    async def _with_vision(self, batch: list[_Request]) -> list[_Request]:
+        """``batch`` with each request's items processed (:meth:`_request_vision`, in a worker thread, the
+        batch at once so that requests issued together still run together); a request whose items do
+        not match its prompt fails alone, now, and leaves the batch."""
+        todo = [r for r in batch if r.multi_modal_data is not None and not r.vision]
+        if not todo:
+            return batch
+
+        def process() -> list[BaseException | None]:
+            errors: list[BaseException | None] = []
+            for r in todo:
+                try:
+                    r.vision = self._request_vision(r)
+                    errors.append(None)
+                except Exception as exc:
+                    errors.append(exc)
+            return errors
+
+        failed = set()
+        for r, error in zip(todo, await asyncio.to_thread(process), strict=True):
+            if error is not None:
+                failed.add(id(r))
+                if not r.future.done():
+                    r.future.set_exception(error)
+        return [r for r in batch if id(r) not in failed]
+
+    def _request_vision(self, req: _Request) -> dict[str, Any]:
+        """The processor tensors of ``req``'s items, after checking that its prompt holds exactly their
+        tokens (one pad token per image token): otherwise the model would fail mid-batch (transformers
+        then raises StopIteration from a worker thread, which asyncio cannot hand back, and the request
+        would never resolve).
+
+        Raises:
+            ValueError: a text-only model; a prompt whose pad tokens do not match its items (counts named).
+        """
+        from trellis.data.multimodal import vision_inputs
+
+        processor = self._vision_processor()
+        data = req.multi_modal_data
+        inputs = vision_inputs(processor, data.get("image") or (), data.get("video") or ())
+        config = self.model.config
+        for kind, grid_key, token_key, part in (
+            ("image", "image_grid_thw", "image_token_id", "image_processor"),
+            ("video", "video_grid_thw", "video_token_id", "video_processor"),
+        ):
+            items = len(data.get(kind) or ())
+            token_id = getattr(config, token_key, None)
+            merge = int(getattr(getattr(processor, part, None), "merge_size", 1) or 1)
+            expected = sum(int(g.prod()) // merge**2 for g in inputs.get(grid_key, ()))
+            found = sum(t == token_id for t in req.prompt_ids) if token_id is not None else 0
+            if found != expected:
+                raise ValueError(
+                    f"request {req.request_id!r}: the prompt holds {found} {kind} pad tokens but its {items} "
+                    f"{kind}(s) make {expected}; widen each item's placeholder with the processor (and keep "
+                    f"pad tokens the model generated in earlier turns out of the prompt)."
+                )
+        return inputs
+
     def _vision_kwargs(self, batch: list[_Request], input_ids: Any) -> dict[str, Any]:
         """``generate``'s vision inputs for ``batch`` (row order), with each token's modality: pad tokens
         of the prompt stand for items, those a resumed request generated (its prefix) are text."""
         import torch
 
-        from trellis.data.multimodal import vision_inputs
-        from trellis.engine.multimodal import modality_types
+        from trellis.engine.multimodal import merged_inputs, modality_types
 
-        images = [image for r in batch for image in (r.multi_modal_data or {}).get("image") or ()]
-        videos = [video for r in batch for video in (r.multi_modal_data or {}).get("video") or ()]
-        if not images and not videos:
+        if not any(r.vision for r in batch):
             return {}
-        kwargs = {
-            k: v.to(self.device) for k, v in vision_inputs(self._vision_processor(), images, videos).items()
-        }
+        kwargs = merged_inputs([r.vision for r in batch], self.device)
         prompt = torch.zeros_like(input_ids, dtype=torch.bool)
         width = input_ids.shape[1]
         for i, r in enumerate(batch):  # left-padded: the prompt, then the resumed prefix
@@ -612,6 +667,11 @@ class HFRolloutReplica(RolloutReplica):
                     stopping_criteria=criteria,
                     **self._vision_kwargs(batch, input_ids),
                 )
+        except StopIteration as exc:  # asyncio cannot hand it back from a thread: the callers would hang
+            raise RuntimeError(
+                f"model.generate raised StopIteration ({exc!r}) for requests "
+                f"{[r.request_id for r in batch]}; a vision-language prompt with more pad tokens than items?"
+            ) from exc
         finally:
             self.model.train(was_training)
         new = sequences[:, width:].cpu()
