@@ -599,3 +599,24 @@ def test_a_prompt_whose_pad_tokens_do_not_match_its_images_fails_alone_and_at_on
     assert isinstance(failed, ValueError)
     assert "request 'bad': the prompt holds 5 image pad tokens but its 1 image(s) make 4" in str(failed)
     assert len(served.token_ids) == 3
+
+
+def test_one_call_renders_tools_images_and_text_through_the_processor(parts):
+    """``chat_ids``: the processor's chat template with the tools' schemas and image parts, the images
+    widened to their tokens, ids read with normalize_token_ids; videos without a video processor are
+    refused naming where."""
+    tokenizer, processor = parts
+    tool = {"type": "function", "function": {"name": "zoom", "description": "zoom in", "parameters": {}}}
+    messages = multimodal.vision_messages([{"role": "user", "content": "<image>What is it?"}], 1, 0)
+    image = multimodal.load_image(png(size=(112, 56)))
+    ids, inputs = multimodal.chat_ids(processor, messages, tools=[tool], images=[image])
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n# Tools\n<tools>\n") and '"name": "zoom"' in text
+    assert image_tokens(ids, tokenizer) == 8 and inputs["image_grid_thw"].tolist() == [[1, 4, 8]]
+    assert text.endswith("<|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n")
+    assert all(isinstance(t, int) for t in ids)
+    plain, none = multimodal.chat_ids(processor, [{"role": "user", "content": "hi"}])
+    assert none == {} and tokenizer.decode(plain) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    clip = multimodal.vision_messages([{"role": "user", "content": "<video>"}], 0, 1)
+    with pytest.raises(DatasetError, match=r"^row 9: has videos, but Qwen2VLProcessor has no video processor"):
+        multimodal.chat_ids(processor, clip, videos=[[image, image]], where="row 9")

@@ -262,10 +262,14 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
         messages = multimodal.vision_messages(
             messages, len(images), len(videos), where=f"{location}, column {self.prompt_key!r}"
         )
-        text = self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+        ids, _ = multimodal.chat_ids(
+            self.processor,
+            messages,
+            images=images,
+            videos=videos,
+            where=location,
+            **self.chat_template_kwargs,
         )
-        ids, _ = multimodal.process(self.processor, text, images, videos, where=location)
         return messages, ids
 
     def _template(self) -> Any:

@@ -277,6 +277,34 @@ def _video_processor(processor: Any, where: str) -> Any:
     return video_processor
 
 
+def chat_ids(
+    processor: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    images: Sequence[Any] = (),
+    videos: Sequence[Any] = (),
+    add_generation_prompt: bool = True,
+    where: str = "prompt",
+    **template_kwargs: Any,
+) -> tuple[list[int], dict[str, Any]]:
+    """Chat messages with optional tools, images and videos through the model's processor, in one call:
+    ``(token ids, multi_modal_inputs)``.
+
+    ``messages`` carry content parts (``{"type": "image"}`` ... in item order; see
+    :func:`vision_messages`); ``tools`` are OpenAI function schemas, rendered by the processor's chat
+    template; ``template_kwargs`` go to ``apply_chat_template`` (e.g. ``enable_thinking``). The ids hold
+    one pad token per image (video) token, read with ``normalize_token_ids``.
+    """
+    kwargs = dict(template_kwargs)
+    if tools:
+        kwargs["tools"] = [dict(tool) for tool in tools]
+    text = processor.apply_chat_template(
+        [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+    )
+    return process(processor, text, images, videos, where=where)
+
+
 def vision_inputs(
     processor: Any, images: Sequence[Any] = (), videos: Sequence[Any] = (), *, where: str = "prompt"
 ) -> dict[str, Any]:

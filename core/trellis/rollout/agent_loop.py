@@ -244,18 +244,18 @@ class AgentLoop(abc.ABC):
     def _vision_prompt_ids(
         self, messages: list[Any], data: Mapping[str, Any], tools: Sequence[Any] | None
     ) -> list[int]:
-        """The prompt with its images through the processor's chat template, one pad token per image token."""
-        from trellis.data.multimodal import process
+        """The prompt with its images (and tools' schemas) through the processor's chat template, one pad
+        token per image token."""
+        from trellis.data.multimodal import chat_ids
         from trellis.rollout.chat import tool_schemas
 
-        kwargs: dict[str, Any] = {}
-        schemas = tool_schemas(tools)
-        if schemas is not None:
-            kwargs["tools"] = schemas
-        text = self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        ids, _ = chat_ids(
+            self.processor,
+            messages,
+            tools=tool_schemas(tools),
+            images=data.get("image") or (),
+            videos=data.get("video") or (),
         )
-        ids, _ = process(self.processor, text, data.get("image") or (), data.get("video") or ())
         return ids
 
     def chat_template(self) -> Any:
