@@ -618,5 +618,5 @@ def test_one_call_renders_tools_images_and_text_through_the_processor(parts):
     plain, none = multimodal.chat_ids(processor, [{"role": "user", "content": "hi"}])
     assert none == {} and tokenizer.decode(plain) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     clip = multimodal.vision_messages([{"role": "user", "content": "<video>"}], 0, 1)
-    with pytest.raises(DatasetError, match=r"^row 9: has videos, but Qwen2VLProcessor has no video processor"):
+    with pytest.raises(DatasetError, match=r"^row 9: has videos, but Qwen2VLProcessor has no video"):
         multimodal.chat_ids(processor, clip, videos=[[image, image]], where="row 9")
