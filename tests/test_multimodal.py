@@ -620,3 +620,69 @@ def test_one_call_renders_tools_images_and_text_through_the_processor(parts):
     clip = multimodal.vision_messages([{"role": "user", "content": "<video>"}], 0, 1)
     with pytest.raises(DatasetError, match=r"^row 9: has videos, but Qwen2VLProcessor has no video"):
         multimodal.chat_ids(processor, clip, videos=[[image, image]], where="row 9")
+
+
+def test_an_openai_sdk_agent_sends_the_rows_images_and_the_row_trains_with_them(vl_path, parts, tmp_path):
+    """The ``openai_agent`` loop on a vision-language model: the sample's messages carry its images as
+    image_url data URLs, the agent sends them with the real ``openai`` SDK, and the captured row holds the
+    prompt's image tokens and the images, which the training forward reads (log-probs equal to 1e-4)."""
+    pytest.importorskip("openai")
+    from trellis.config import load_config
+    from trellis.data.dataset import RLDataset
+    from trellis.registries import training_engines
+    from trellis.rollout.agent_loop import AgentLoopManager
+    from trellis.rollout.hf import HFRolloutReplica
+
+    tokenizer, processor = parts
+    agent = tmp_path / "vl_agent.py"
+    agent.write_text(
+        "import openai\n"
+        "async def run(base_url, sample):\n"
+        "    first = sample['messages'][0]['content'][0]\n"
+        "    assert first['image_url']['url'].startswith('data:image/png;base64,')\n"
+        "    client = openai.AsyncOpenAI(base_url=base_url, api_key='-', max_retries=0)\n"
+        "    messages = sample['messages']\n"
+        "    await client.chat.completions.create(model='policy', messages=messages, max_tokens=5)\n"
+        "    return 1.0\n"
+    )
+    rows = [
+        {"prompt": [{"role": "user", "content": "<image>Count."}], "images": [{"bytes": png(), "path": None}]}
+    ]
+    data = RLDataset(
+        write(tmp_path, rows), tokenizer, processor=processor, max_prompt_length=64, return_raw_chat=True
+    )
+    item = data[0]
+    batch = data.collate_fn([item])
+    config = load_config(
+        None,
+        [
+            f"model.path={vl_path}",
+            "model.dtype=float32",
+            "rollout.calculate_log_probs=true",
+            "data.max_response_length=5",
+            "rollout.agent.default_agent_loop=openai_agent",
+            f"rollout.agent.function={agent}:run",
+        ],
+    )
+    replica = HFRolloutReplica(0, config.rollout, config.model)
+
+    async def main():
+        await replica.init("colocated", tokenizer=tokenizer)
+        manager = AgentLoopManager(
+            config.rollout, [replica], tokenizer, response_length=5, processor=processor
+        )
+        return await manager.generate_sequences_async(batch)
+
+    out = asyncio.run(main())
+    assert out.meta_info["metrics"]["agent/function_errors"] == 0.0
+    prompt = out.tensors["prompts"][0][out.tensors["prompts"][0] != tokenizer.pad_token_id].tolist()
+    assert prompt == item["raw_prompt_ids"]  # the gateway rendered the prompt as the dataset did
+    assert out.non_tensor_batch["multi_modal_inputs"][0]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    engine = training_engines.get("single")(
+        config.model, config.actor, role="actor", total_steps=1, device="cpu"
+    )
+    with engine.phase():
+        log_probs = engine.forward(out)["log_probs"]
+    mask = out.tensors["response_mask"].bool()
+    assert mask.sum() == 5
+    assert (log_probs - out.tensors["rollout_log_probs"])[mask].abs().max() < 1e-4

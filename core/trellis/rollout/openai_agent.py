@@ -65,16 +65,22 @@ _gateways: dict[tuple[int, str], Any] = {}
 _semaphores: dict[int, threading.BoundedSemaphore] = {}
 
 
-def process_gateway(tokenizer: Any, tool_parser: str = "hermes") -> Any:
+def process_gateway(tokenizer: Any, tool_parser: str = "hermes", processor: Any = None) -> Any:
     """This process's running training gateway for ``tokenizer`` (started on first use, on loopback;
-    sessions only, each opened by a loop)."""
+    sessions only, each opened by a loop); with a vision-language model's ``processor`` it takes images."""
     from trellis.rollout.gateway import Gateway, start_gateway
 
-    key = (id(tokenizer), tool_parser)
+    key = (id(tokenizer), tool_parser, id(processor))
     with _lock:
         running = _gateways.get(key)
         if running is None or not running.thread.is_alive():
-            gateway = Gateway(tokenizer, model_name=MODEL_NAME, tool_parser=tool_parser, max_inflight=4096)
+            gateway = Gateway(
+                tokenizer,
+                model_name=MODEL_NAME,
+                tool_parser=tool_parser,
+                max_inflight=4096,
+                processor=processor,
+            )
             running = _gateways[key] = start_gateway(gateway)
         return running
 
@@ -146,7 +152,7 @@ class OpenAIAgentLoop(AgentLoop):
         cfg = self.agent_config
         fn = load_agent_function(agent_setting(cfg, "function"))
         timeout = float(agent_setting(cfg, "function_timeout_s"))
-        running = process_gateway(self.tokenizer, agent_setting(cfg, "tool_parser"))
+        running = process_gateway(self.tokenizer, agent_setting(cfg, "tool_parser"), self.processor)
         gateway = running.gateway
         params = sampling_params if sampling_params.wants_logprobs else _with_logprobs(sampling_params)
         session = gateway.open_session(
@@ -235,16 +241,51 @@ def _with_logprobs(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, logprobs=True)  # captured for training; returned only when asked
 
 
+SAMPLE_HIDDEN = ("raw_prompt_ids", "tools_kwargs", "multi_modal_data", "multi_modal_inputs")
+"""Columns the user's function does not get as they are (token ids, tensors, PIL images)."""
+
+
 def plain_sample(sample: Mapping[str, Any]) -> dict[str, Any]:
-    """The dataset row as plain Python values for the user's function (``messages``, ``ground_truth``)."""
-    result = {k: _plain(v) for k, v in sample.items() if k not in ("raw_prompt_ids", "tools_kwargs")}
+    """The dataset row as plain Python values for the user's function (``messages``, ``ground_truth``).
+
+    A vision-language row's images go into ``messages`` as OpenAI ``image_url`` parts (PNG ``data:``
+    URLs), in place of the ``{"type": "image"}`` parts, so the messages can be sent to the gateway as
+    they are."""
+    result = {k: _plain(v) for k, v in sample.items() if k not in SAMPLE_HIDDEN}
     messages = result.pop("raw_prompt", None)
     if messages is not None:
-        result["messages"] = messages
+        images = list((sample.get("multi_modal_data") or {}).get("image") or ())
+        result["messages"] = _with_image_urls(messages, images) if images else messages
     reward_model = result.get("reward_model")
     if isinstance(reward_model, Mapping) and "ground_truth" in reward_model:
         result.setdefault("ground_truth", reward_model["ground_truth"])
     return result
+
+
+def _with_image_urls(messages: list[Any], images: list[Any]) -> list[Any]:
+    """``messages`` with each ``{"type": "image"}`` part replaced by the next image as a data URL."""
+    import base64
+    import io
+
+    urls = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode())
+    pending = iter(urls)
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list):
+            parts = [
+                {"type": "image_url", "image_url": {"url": next(pending)}}
+                if isinstance(part, Mapping) and part.get("type") == "image"
+                else part
+                for part in content
+            ]
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
 
 
 def _plain(value: Any) -> Any:
