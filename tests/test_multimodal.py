@@ -686,3 +686,23 @@ def test_an_openai_sdk_agent_sends_the_rows_images_and_the_row_trains_with_them(
     mask = out.tensors["response_mask"].bool()
     assert mask.sum() == 5
     assert (log_probs - out.tensors["rollout_log_probs"])[mask].abs().max() < 1e-4
+
+
+def test_a_pad_token_the_policy_generated_is_text_in_training(vl_path, parts, tmp_path):
+    """A response token equal to the image pad token (a policy may sample it) is embedded as that token,
+    as in generation, not taken for an image: the forward runs and the prompt's image is still read."""
+    from trellis.registries import training_engines
+
+    tokenizer, _ = parts
+    config, out = _rollout(vl_path, parts, tmp_path)
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    out.tensors["responses"][0, 1] = pad
+    out.tensors["input_ids"][0, -out.tensors["responses"].shape[1] + 1] = pad
+    engine = training_engines.get("single")(
+        config.model, config.actor, role="actor", total_steps=1, device="cpu"
+    )
+    for packed in (False, True):
+        engine.use_remove_padding = packed
+        with engine.phase():
+            log_probs = engine.forward(out)["log_probs"]
+        assert torch.isfinite(log_probs).all() and log_probs[0, 1] < 0

@@ -415,14 +415,16 @@ class TrainingEngine:
                 if self._logits_to_keep and not value_head:
                     keep_kwargs["logits_to_keep"] = keep
                 inputs = packed.model_inputs(self.attn_implementation, self.dtype)
+                places: Any = contextlib.nullcontext()
                 with self._compute_context():
-                    if vision is not None:  # the packed tokens' embeddings with the vision features in place
-                        types = vision.token_types.reshape(-1)[packed.indices].unsqueeze(0)
-                        inputs["inputs_embeds"] = vision.embeddings(
-                            self.model, inputs.pop("input_ids"), types
+                    if vision is not None:  # vision features at the packed items' tokens, M-RoPE positions
+                        places = vision.placeholders(
+                            vision.token_types.reshape(-1)[packed.indices].unsqueeze(0)
                         )
+                        inputs.update(vision.model_inputs())
                         inputs["position_ids"] = multimodal_forward.packed_positions(vision.positions, packed)
-                    out = self.model(**inputs, use_cache=False, **keep_kwargs)
+                    with places:
+                        out = self.model(**inputs, use_cache=False, **keep_kwargs)
                 logits = out.logits[0] if keep_kwargs else out.logits[0, keep]  # (n_valid, V or 1)
                 stats = self._outputs(logits, responses[valid], compute_entropy, micro)
             # (n_valid,) back to (bs, T), 0 at padding
@@ -432,18 +434,22 @@ class TrainingEngine:
 
         if self._logits_to_keep and not value_head:
             keep_kwargs["logits_to_keep"] = width + 1  # the last T + 1 positions: first .. L - 1
+        places = contextlib.nullcontext()
+        encoded: dict[str, Any] = {}
         with self._compute_context():
-            tokens: dict[str, Any] = {"input_ids": input_ids}
-            if vision is not None:  # M-RoPE positions, and the embeddings with the vision features in place
+            if vision is not None:  # M-RoPE positions, and the vision features at the items' tokens
                 position_ids = vision.positions
-                tokens = {"inputs_embeds": vision.embeddings(self.model, input_ids, vision.token_types)}
-            out = self.model(
-                **tokens,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                **keep_kwargs,
-            )
+                encoded.update(vision.model_inputs())
+                places = vision.placeholders(vision.token_types)
+            with places:
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                    **encoded,
+                    **keep_kwargs,
+                )
         logits = out.logits[:, :width] if keep_kwargs else out.logits[:, first : length - 1]
         stats = self._outputs(logits, responses, compute_entropy, micro)
         valid = attention_mask[:, first : length - 1].bool()

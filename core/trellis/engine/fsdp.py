@@ -7,6 +7,10 @@ gradient and of the optimizer state, and a block's weights are all-gathered just
 forward and backward. Gradients are reduce-scattered as averages over the ranks, which is the
 convention of :mod:`trellis.algorithms.aggregation` (each rank's loss carries a ``× dp_size``).
 
+A vision-language model's vision tower is a unit of its own too (its blocks inside it): the engine
+computes the vision features before the model's forward (:mod:`trellis.engine.multimodal`), so the
+tower gathers its weights when called, as the blocks do.
+
 Mixed precision: parameters are float32; with ``model.dtype`` bfloat16/float16 FSDP casts them
 for compute and reduces gradients in float32.
 
@@ -54,6 +58,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from trellis.config.base import ConfigValueError
 from trellis.engine.base import HOST, EngineError, TrainingEngine, check_state_keys
 from trellis.engine.models import build_meta_model, decoder_layers, load_model
+from trellis.engine.multimodal import vision_tower
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -155,6 +160,9 @@ class FSDPEngine(TrainingEngine):
         # never on the device unsharded.
         for layer in decoder_layers(module):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
+        tower = vision_tower(module)
+        if tower is not None:  # a unit of its own: the engine runs it before the model's forward
+            fully_shard(tower, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
         fully_shard(module, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
         if self.group_rank != 0:  # storage for the meta shards: in host memory under FSDP's CPU offload
             module.to_empty(device=HOST if self.offload_param else self.device)

@@ -17,7 +17,9 @@ Packed micro-batches (``model.use_remove_padding``) keep the real tokens' positi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,42 +61,65 @@ class VisionBatch:
     positions: torch.Tensor
     owner: Any
 
-    def embeddings(
-        self, model: torch.nn.Module, input_ids: torch.Tensor, token_types: torch.Tensor
-    ) -> torch.Tensor:
-        """``model``'s input embeddings of ``input_ids`` with the vision features in place of the item
-        pad tokens that ``token_types`` marks (any layout: padded ``(bs, L)`` or packed ``(1, total)``).
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The vision keyword arguments of the model's forward: pixel values and grids."""
+        return dict(self.inputs)
 
-        The features replace exactly the marked tokens, so a pad token the policy generated stays the
-        embedding of that token, as it was in generation (the model's own forward would count it as an
-        item and fail)."""
-        embed: Any = model.get_input_embeddings()  # type: ignore[operator]
-        embeds = embed(input_ids)
+    def _encode(self, owner: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` of the multimodal model's forward with the pixel values replaced by the vision
+        tower's outputs (``mm_encoder_outputs``), computed without the forward's other keyword arguments:
+        the packed-text attention arguments (``cu_seq_lens_q`` ...) describe the text sequences, and the
+        tower would read them as its own."""
+        encoded: dict[str, Any] = {}
         for kind, pixels, grid, getter in (
-            (1, "pixel_values", "image_grid_thw", "get_image_features"),
-            (2, "pixel_values_videos", "video_grid_thw", "get_video_features"),
+            ("image", "pixel_values", "image_grid_thw", "get_image_features"),
+            ("video", "pixel_values_videos", "video_grid_thw", "get_video_features"),
         ):
-            if pixels not in self.inputs:
-                continue
-            features = _features(getattr(self.owner, getter)(self.inputs[pixels], self.inputs.get(grid)))
-            where = token_types == kind
-            if int(where.sum()) != features.shape[0]:
-                raise ValueError(
-                    f"The batch has {int(where.sum())} {('image', 'video')[kind - 1]} tokens in its prompts "
-                    f"but its {pixels} give {features.shape[0]} features; the rows' multi_modal_inputs do "
-                    "not match their prompts (were they processed with this model's processor?)."
-                )
-            embeds = embeds.masked_scatter(where.unsqueeze(-1), features.to(embeds.dtype))
-        return embeds
+            values = kwargs.pop(pixels, None)
+            if values is not None:
+                encoded[kind] = getattr(owner, getter)(values, kwargs.get(grid), return_dict=True)
+        if encoded:
+            kwargs["mm_encoder_outputs"] = encoded
+        return kwargs
 
+    @contextlib.contextmanager
+    def placeholders(self, token_types: torch.Tensor) -> Iterator[None]:
+        """Inside: the model places the vision features at exactly the tokens ``token_types`` marks (any
+        layout: padded ``(bs, L)`` or packed ``(1, total)``), not at every pad token of ``input_ids``, and
+        runs its vision tower on the pixel values alone (:meth:`_encode`, in a pre-forward hook of the
+        multimodal model, so under ``fsdp`` it runs inside the root's forward, weights gathered).
 
-def _features(output: Any) -> torch.Tensor:
-    """Vision features ``(tokens, hidden)`` from what ``get_image_features`` returns across versions."""
-    pooled = getattr(output, "pooler_output", None)
-    value = pooled if pooled is not None else output
-    if isinstance(value, list | tuple):
-        return torch.cat(list(value))
-    return value
+        A pad token the policy generated then stays that token's embedding, as it was in generation,
+        where the model's own placement (every pad token) would count it as an item and fail."""
+        owner = self.owner
+        hook = owner.register_forward_pre_hook(
+            lambda module, args, kwargs: (args, self._encode(module, kwargs)), with_kwargs=True
+        )
+
+        def masks(
+            input_ids: Any,
+            inputs_embeds: torch.Tensor,
+            image_features: Any = None,
+            video_features: Any = None,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            found = []
+            for kind, features, name in ((1, image_features, "image"), (2, video_features, "video")):
+                where = (token_types == kind).unsqueeze(-1).to(inputs_embeds.device)
+                if features is not None and int(where.sum()) * inputs_embeds.shape[-1] != features.numel():
+                    raise ValueError(
+                        f"The batch has {int(where.sum())} {name} tokens in its prompts but its pixels give "
+                        f"{features.shape[0]} features; the rows' multi_modal_inputs do not match their "
+                        "prompts (were they processed with this model's processor?)."
+                    )
+                found.append(where.expand_as(inputs_embeds))
+            return found[0], found[1]
+
+        owner.get_placeholder_mask = masks  # an instance attribute: shadows the class's method
+        try:
+            yield
+        finally:
+            del owner.get_placeholder_mask
+            hook.remove()
 
 
 def vision_inputs(
@@ -137,6 +162,13 @@ def vision_inputs(
         kwargs["mm_token_type_ids"] = token_types
     positions, _ = owner.get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)
     return VisionBatch(inputs, token_types, positions, owner)
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A vision-language model's vision tower (``visual`` of its multimodal model), or None."""
+    owner = rope_module(model)
+    tower = getattr(owner, "visual", None) if owner is not None else None
+    return tower if isinstance(tower, torch.nn.Module) else None
 
 
 def modality_types(config: Any, input_ids: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:

@@ -61,7 +61,7 @@ SESSION_METRICS = (
 """The session counters each sample reports (see :mod:`trellis.rollout.gateway`)."""
 
 _lock = threading.Lock()
-_gateways: dict[tuple[int, str], Any] = {}
+_gateways: dict[tuple[int, str, int], Any] = {}
 _semaphores: dict[int, threading.BoundedSemaphore] = {}
 
 
