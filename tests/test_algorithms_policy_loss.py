@@ -121,18 +121,25 @@ def test_global_batch_info_is_an_explicit_argument_that_sets_the_normalisation()
 # ---------------------------------------------------------------- gspo
 
 
-def test_gspo_hand_case_uses_the_sequence_ratio_and_its_own_aggregation():
+def test_gspo_hand_case_uses_the_sequence_ratio_and_honours_loss_agg_mode():
+    """verl 0.9.1's GSPO aggregates by loss_agg_mode (the paper's is seq-mean-token-mean)."""
     # sequence ratios: s_0 = (2·0.5·1)^(1/3) = 1, s_1 = (4·1)^(1/2) = 2 (the padding ratio 9 is ignored)
     old, new = _log_probs([[2.0, 0.5, 1.0], [4.0, 1.0, 9.0]])
     adv = torch.tensor([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
-    loss, metrics = pl.compute_policy_loss_gspo(old, new, adv, MASK, loss_agg_mode="token-mean")
-    # seq 0: −A·1 = −1, −2, −3 (unclipped), mean −2; seq 1: max(−2, −1.2) = −1.2 (clipped), mean −1.2
-    # seq-mean-token-mean whatever loss_agg_mode: (−2 − 1.2) / 2
-    _approx(loss, -1.6)
+    # per token: seq 0: −A·1 = −1, −2, −3 (unclipped); seq 1: max(−2, −1.2) = −1.2 twice (clipped)
+    loss, metrics = pl.compute_policy_loss_gspo(old, new, adv, MASK, loss_agg_mode="seq-mean-token-mean")
+    _approx(loss, (-2.0 - 1.2) / 2)  # sequence means −2 and −1.2
     _approx(metrics["actor/pg_clipfrac"], 2 / 5)
     _approx(metrics["actor/ppo_kl"], -math.log(2.0 * 0.5 * 4.0) / 5)
     # the gradient reaches each token through π/sg(π): −A_t·s_0 / 3 tokens / 2 sequences; seq 1 is clipped
     _close(_grad(loss, new), [[-1 / 6, -2 / 6, -3 / 6], [0.0, 0.0, 0.0]])
+    old, new = _log_probs([[2.0, 0.5, 1.0], [4.0, 1.0, 9.0]])
+    loss = pl.compute_policy_loss_gspo(old, new, adv, MASK, loss_agg_mode="token-mean")[0]
+    _approx(loss, (-1.0 - 2.0 - 3.0 - 1.2 - 1.2) / 5)  # the 5 tokens' mean
+    _close(_grad(loss, new), [[-1 / 5, -2 / 5, -3 / 5], [0.0, 0.0, 0.0]])
+    old, new = _log_probs([[2.0, 0.5, 1.0], [4.0, 1.0, 9.0]])
+    loss = pl.compute_policy_loss_gspo(old, new, adv, MASK, loss_agg_mode="seq-mean-token-sum")[0]
+    _approx(loss, (-6.0 - 2.4) / 2)  # sequence sums −6 and −2.4
 
 
 def test_gspo_takes_tiny_clip_bounds_from_policy_loss_kwargs():
@@ -140,8 +147,8 @@ def test_gspo_takes_tiny_clip_bounds_from_policy_loss_kwargs():
     adv = torch.ones(2, 3, dtype=torch.float64)
     config = ActorConfig(policy_loss_kwargs={"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4})
     loss, metrics = pl.compute_policy_loss_gspo(old, new, adv, MASK, config=config)
-    # s_0 = 1 (inside), s_1 = 1.001^(1/2) ≈ 1.0005 > 1.0004: clipped to 1.0004
-    _approx(loss, (-1.0 - 1.0004) / 2)
+    # s_0 = 1 (inside), s_1 = 1.001^(1/2) ≈ 1.0005 > 1.0004: clipped to 1.0004; token-mean (the default)
+    _approx(loss, (3 * -1.0 + 2 * -1.0004) / 5)
     _approx(metrics["actor/pg_clipfrac"], 2 / 5)
 
 
@@ -291,6 +298,17 @@ def test_sapo_hand_case():
     _approx(grad[1, 0], 0.25)
     # (0,1): 4·(3/4)(1/4)·r = 0.75·(1 + ln 3), times −A/4 = −1/2
     _approx(grad[0, 1], -0.75 * (1 + ln3) / 2)
+
+
+def test_sapo_always_aggregates_seq_mean_token_mean():
+    """verl 0.9.1's SAPO ignores loss_agg_mode: every sequence weighs the same, whatever its length."""
+    old, new = _log_probs([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([[1.0, 2.0, 3.0], [-3.0, -3.0, 5.0]], dtype=torch.float64)
+    # at r = 1, f = 2/τ: −2·A for A > 0 (τ_pos 1); −(2/1.05)·A for A < 0; the padding token is ignored
+    seq0, seq1 = (-2.0 - 4.0 - 6.0) / 3, (6.0 / 1.05 + 6.0 / 1.05) / 2
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        loss, _ = pl.compute_policy_loss_sapo(old, new, adv, MASK, loss_agg_mode=mode)
+        _approx(loss, (seq0 + seq1) / 2)
 
 
 def test_sapo_reads_tau_from_policy_loss_kwargs():

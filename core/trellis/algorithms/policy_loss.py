@@ -216,10 +216,9 @@ def compute_policy_loss_gspo(
 
     Settings: clip_ratio_low / clip_ratio_high (GSPO uses tiny values such as 3e-4 / 4e-4 —
     set them in policy_loss_kwargs or on the actor; the generic default 0.2 applies otherwise).
-    The loss is always aggregated ``seq-mean-token-mean`` (every sequence weighs the same, as in
-    the paper), whatever ``loss_agg_mode`` says.
+    The loss is aggregated by ``loss_agg_mode``, as verl 0.9.1 does; the paper's aggregation is
+    ``seq-mean-token-mean`` (every sequence weighs the same): set it with GSPO.
     """
-    del loss_agg_mode  # GSPO defines its own aggregation (see docstring)
     clip_low, clip_high = _clip_bounds(config)
     log_ratio = _log_ratio(old_log_prob, log_prob)
     seq_log_ratio = masked_mean(log_ratio, response_mask, axis=-1).detach()  # log s_i = mean_t log r_t
@@ -228,11 +227,7 @@ def compute_policy_loss_gspo(
     seq_ratio = torch.exp(token_log_ratio)
     pg_losses, clipped = _ppo_clip(advantages, seq_ratio, clip_low, clip_high)
     loss = _aggregate(
-        _weighted(pg_losses, rollout_is_weights),
-        response_mask,
-        "seq-mean-token-mean",
-        config,
-        global_batch_info,
+        _weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config, global_batch_info
     )
     return loss, _base_metrics(log_ratio, response_mask, _fraction(clipped, response_mask))
 
@@ -451,6 +446,8 @@ def compute_policy_loss_sapo(
     PPO's) and decays smoothly as r leaves 1; a larger τ decays faster.
 
     Settings (policy_loss_kwargs): tau_pos (1.0), tau_neg (1.05). actor/pg_clipfrac is 0.
+    The loss is always aggregated ``seq-mean-token-mean``, whatever ``loss_agg_mode`` says, as
+    verl 0.9.1 does.
 
     Raises:
         ValueError: tau_pos or tau_neg <= 0.
@@ -465,8 +462,13 @@ def compute_policy_loss_sapo(
     tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # f(r) = σ(τ(r − 1))·4/τ
     pg_losses = -gate * advantages  # −f(r)·A
+    del loss_agg_mode  # SAPO's own aggregation (see docstring)
     loss = _aggregate(
-        _weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, config, global_batch_info
+        _weighted(pg_losses, rollout_is_weights),
+        response_mask,
+        "seq-mean-token-mean",
+        config,
+        global_batch_info,
     )
     return loss, _base_metrics(log_ratio, response_mask, 0.0)
 
