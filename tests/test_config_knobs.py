@@ -38,6 +38,7 @@ NEEDS_CHECKED = (
     "tests/test_config.py::test_what_the_estimator_declares_it_needs_is_checked_when_the_run_is_built"
 )
 MULTIMODAL = "tests/test_multimodal.py::test_the_trainer_reads_the_image_settings"
+WATCHDOG = "tests/test_trainer_watchdog.py::test_the_deadline_settings_reach_the_watchdog"
 ENGINE = "tests/test_engine_base.py::test_every_model_and_role_setting_reaches_the_engine"
 DEFAULTS = "tests/test_engine_base.py::test_missing_settings_take_the_schema_defaults"
 DERIVED = "tests/test_config.py::test_null_defaults_are_derived_when_the_config_is_built"
@@ -92,6 +93,8 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "data.chat_template_kwargs": (DATASET + "test_chat_template_kwargs_reach_the_template",),
     "data.dataloader_num_workers": (LOADER,),
     "data.image_key": (MULTIMODAL,),
+    "trainer.stage_timeout_s": (WATCHDOG,),
+    "trainer.stage_timeouts": (WATCHDOG,),
     "data.video_key": (MULTIMODAL,),
     "data.image_max_pixels": (MULTIMODAL,),
     "data.image_min_pixels": (MULTIMODAL,),

@@ -412,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except TrellisError as exc:
         print(f"trellis: error: {exc}", file=sys.stderr)
-        return 2
+        return int(getattr(exc, "exit_code", 2))
 
 
 if __name__ == "__main__":

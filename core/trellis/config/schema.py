@@ -1133,6 +1133,18 @@ class TrainerConfig(BaseConfig):
         "run_dir.",
     )
     save_freq: int = knob(-1, "Save a training checkpoint every this many steps; 0 or -1 = never.", ge=-1)
+    stage_timeout_s: float | None = knob(
+        3600.0,
+        "Deadline of every stage of a step (generate, score, update_actor, weight_sync, checkpoint, "
+        "validate, ...): past it the run reports the stage and every worker's Python stacks "
+        "(run_dir/stall_report.txt) and stops with exit code 3, the last checkpoint intact. null = none.",
+        gt=0,
+    )
+    stage_timeouts: dict[str, float | None] = knob(
+        {},
+        "Per-stage deadlines in seconds overriding stage_timeout_s, e.g. {score: 600, generate: 7200}; "
+        "null for a stage = no deadline. The whole step has none unless named here (step: ...).",
+    )
     test_freq: int = knob(
         -1, "Validate every this many steps; 0 or -1 = never (see val_before_train).", ge=-1
     )

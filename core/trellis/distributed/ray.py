@@ -22,6 +22,8 @@ from typing import Any
 
 from trellis.distributed.worker import PICK_MASTER_ENV
 from trellis.distributed.worker_group import ClassWithInitArgs, WorkerGroup
+from trellis.errors import TrellisError
+from trellis.utils.watchdog import tail
 
 
 def import_ray() -> Any:
@@ -225,13 +227,53 @@ class RayWorkerGroup(WorkerGroup):
                 self.workers.append(actor)
                 rank += 1
         self.master_address = master
+        self.processes: list[dict[str, Any]] = ray.get([a._trellis_process.remote() for a in self.workers])
+        """Per rank: ``pid``, ``host`` and ``log`` of the worker's process (stall and death reports)."""
+        self._calls: dict[Any, tuple[int, str]] = {}  # pending future -> (rank, method), for reports
         super().__init__(cls_with_init.cls, world_size)
 
     def _execute(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return getattr(self.workers[rank], method).remote(*args, **kwargs)
+        future = getattr(self.workers[rank], method).remote(*args, **kwargs)
+        self._calls[future] = (rank, method)
+        return future
 
     def _get(self, futures: list[Any]) -> list[Any]:
-        return import_ray().get(list(futures))
+        ray = import_ray()
+        from ray.exceptions import RayActorError
+
+        futures = list(futures)
+        try:
+            return list(ray.get(futures))
+        except RayActorError as exc:
+            raise self._died(futures, exc) from exc
+        finally:
+            for future in futures:
+                self._calls.pop(future, None)
+
+    def _died(self, futures: list[Any], exc: BaseException) -> WorkerDiedError:
+        """The report of a worker whose process died during one of ``futures``: which worker, during
+        which call, why (Ray's account: a signal, the OOM killer, an exit), and its log's last lines."""
+        ray = import_ray()
+        dead = None
+        for future in futures:  # the first call whose actor is gone
+            try:
+                ray.get(future, timeout=0)
+            except ray.exceptions.RayActorError:
+                dead = self._calls.get(future)
+                break
+            except Exception:
+                continue
+        rank, method = dead if dead is not None else (-1, "?")
+        process = self.processes[rank] if 0 <= rank < len(self.processes) else {}
+        cause = " ".join(str(exc).split())[:1500]
+        log = process.get("log", "")
+        lines = tail(log, 40) if log else ""
+        pid, host = process.get("pid", "?"), process.get("host", "?")
+        where = f"worker {rank} ({self._worker_cls.__name__}, pid {pid} on {host})"
+        return WorkerDiedError(
+            f"{where} died during {method}: {cause}\n"
+            + (f"Last lines of its log {log}:\n{lines}" if lines else "Its log could not be read.")
+        )
 
     def shutdown(self) -> None:
         """Kill the actors (and free the pool's placement groups)."""
@@ -240,6 +282,11 @@ class RayWorkerGroup(WorkerGroup):
             ray.kill(actor)
         self.workers = []
         self.resource_pool.release()
+
+
+class WorkerDiedError(TrellisError, RuntimeError):
+    """A worker process of a Ray group died (signal, OOM kill, exit); the message says which, during
+    which call, and ends with its log's last lines."""
 
 
 def passed_env() -> dict[str, str]:

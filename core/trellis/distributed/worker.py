@@ -229,6 +229,22 @@ class Worker:
         """This process's ``MASTER_ADDR`` and ``MASTER_PORT`` (how a Ray group learns rank 0's choice)."""
         return os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
 
+    def _trellis_process(self) -> dict[str, Any]:
+        """This worker's process: ``pid``, ``host`` and ``log`` (the file its stderr goes to, '' when it
+        is a terminal or unknown). Called once by a Ray group when it starts the worker, which also makes
+        ``SIGUSR1`` dump the process's Python stacks to that log (how a stall report shows where it is
+        stuck, :mod:`trellis.utils.watchdog`)."""
+        import socket
+
+        from trellis.utils.watchdog import enable_stack_dumps
+
+        enable_stack_dumps()
+        try:
+            log = os.readlink("/proc/self/fd/2")
+        except OSError:
+            log = ""
+        return {"pid": os.getpid(), "host": socket.gethostname(), "log": log if log.startswith("/") else ""}
+
     def _trellis_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` by name (how groups reach methods of colocated roles)."""
         return getattr(self, method)(*args, **kwargs)

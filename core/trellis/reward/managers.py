@@ -255,6 +255,15 @@ class NaiveRewardManager(_RewardManager):
                     outcomes.append(outcome_of(result))
             except CallTimeout as exc:
                 outcomes.append(ScoreOutcome(error=str(exc), timed_out=True))
+                if sum(o.timed_out for o in outcomes) == 1:  # said at once, not after the whole batch
+                    logger.warning(
+                        "A reward call timed out after %s s (sample %d of %d; scored 0, counted in "
+                        "reward/timeouts). Every call that hangs costs that long, one after another: lower "
+                        "reward.timeout_seconds, or score concurrently (reward.manager=async).",
+                        self.timeout_seconds,
+                        len(outcomes),
+                        len(samples),
+                    )
             except Exception as exc:
                 outcomes.append(_failed(exc))
         return outcomes

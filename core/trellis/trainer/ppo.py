@@ -18,10 +18,11 @@ through one group per role — see :meth:`Trainer._build_workers`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +33,22 @@ from trellis.algorithms import objective
 from trellis.algorithms.kl import get_kl_controller, kl_penalty
 from trellis.algorithms.masked import masked_mean
 from trellis.data.protocol import DataProto
+from trellis.errors import TrellisError
 from trellis.trainer import metrics as M
 from trellis.trainer.workers import seed_process
 from trellis.utils.timing import marked_timer
+from trellis.utils.watchdog import StageWatchdog
 
 logger = logging.getLogger(__name__)
+
+STALL_GRACE_S = 30.0
+"""After a stall report, how long the run has to stop by itself before the process exits (code 3)."""
+
+
+class StageTimeoutError(TrellisError, RuntimeError):
+    """A stage of a step ran past its deadline (``trainer.stage_timeout_s``); the run stopped."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -96,6 +108,14 @@ class Trainer:
         self._pending_version = 0  # one_step_off: the policy version generating the pending batch
         self._pending_seconds = 0.0  # one_step_off: how long the last background generation took
         self._loader_state_before_pending: dict[str, Any] | None = None
+        self.watchdog = StageWatchdog(
+            config.trainer.stage_timeout_s,
+            dict(config.trainer.stage_timeouts or {}),
+            self._on_stall,
+            exempt=("step",),
+        )
+        """Every stage's deadline (``trainer.stage_timeout_s`` / ``stage_timeouts``): :meth:`_on_stall`."""
+        self._stall: Any = None  # the StageTimeoutError of a stage past its deadline
         from trellis.config.needs import resolve_needs
 
         self.needs = resolve_needs(config)
@@ -307,7 +327,8 @@ class Trainer:
             batches = self._batches()
             self._start_overlap(batches)
             if self.val_set is not None and cfg.trainer.val_before_train and self.step == 0:
-                self._validate(result, hooks)
+                with self._stage("validate"):
+                    self._validate(result, hooks)
             while self.step < self.total_steps:
                 self.step += 1
                 if self.stream is not None:
@@ -321,7 +342,8 @@ class Trainer:
                     and cfg.trainer.test_freq > 0
                     and (self.step % cfg.trainer.test_freq == 0 or self.step == self.total_steps)
                 ):
-                    metrics.update(self._validate(result, hooks, log=False))
+                    with self._stage("validate"):
+                        metrics.update(self._validate(result, hooks, log=False))
                 for tracker in self.trackers:
                     tracker.log(metrics, self.step)
                 hooks.trellis_step_end(step=self.step, metrics=metrics)
@@ -330,10 +352,16 @@ class Trainer:
                 if cfg.trainer.save_freq > 0 and (
                     self.step % cfg.trainer.save_freq == 0 or self.step == self.total_steps
                 ):
-                    path = self._save_checkpoint()
+                    with self._stage("checkpoint"):
+                        path = self._save_checkpoint()
                     result.last_checkpoint = path
                     hooks.trellis_checkpoint_saved(step=self.step, path=path)
+        except KeyboardInterrupt:
+            if self._stall is None:
+                raise
+            raise self._stall from None  # the watchdog interrupted a stage past its deadline
         finally:
+            self.watchdog.close()
             result.steps = self.step
             for tracker in getattr(self, "trackers", []):
                 tracker.finish()
@@ -342,6 +370,83 @@ class Trainer:
         result.best_checkpoint = self._best_checkpoint(result)
         result.reward_curve = self._plot(result)
         return result
+
+    @contextlib.contextmanager
+    def _stage(self, name: str, timings: dict[str, float] | None = None) -> Iterator[None]:
+        """One stage of the step: timed into ``timings`` (``timing/<name>``), a profiler range, and
+        under its deadline (:attr:`watchdog`)."""
+        with self.watchdog.stage(name), marked_timer(name, {} if timings is None else timings):
+            yield
+
+    def _on_stall(self, stage: str, elapsed_s: float, limit_s: float) -> None:
+        """A stage ran past its deadline (called on the watchdog's thread): write the report — the stage,
+        the step, the Python stacks of this process and of every worker process — to the log and to
+        ``run_dir/stall_report.txt``, then stop the run: the main thread gets an interrupt, which
+        :meth:`fit` turns into a :class:`StageTimeoutError` (exit code 3) after shutting down; if it is
+        stuck where an interrupt cannot reach, the process exits with code 3 after
+        :data:`STALL_GRACE_S` seconds. Checkpoints are written to a temporary folder and renamed, so
+        the last one stays intact either way."""
+        import _thread
+        import threading
+
+        from trellis.utils.watchdog import thread_stacks
+
+        setting = (
+            f"trainer.stage_timeouts.{stage}"
+            if stage in self.watchdog.overrides
+            else "trainer.stage_timeout_s"
+        )
+        head = (
+            f"Stage {stage!r} of step {self.step} has run {elapsed_s:.0f} s, past its deadline of "
+            f"{limit_s:g} s ({setting}). The run stops (exit code 3); the last checkpoint is intact. "
+            "Raise the deadline if the stage is just slow."
+        )
+        report = "\n\n".join(
+            [head, "== this process (driver) ==\n" + thread_stacks(), *self._worker_stacks()]
+        )
+        logger.error("%s", report)
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+            with open(os.path.join(self.run_dir, "stall_report.txt"), "w", encoding="utf-8") as handle:
+                handle.write(report + "\n")
+        except OSError:
+            logger.exception("Could not write the stall report into %s.", self.run_dir)
+        self._stall = StageTimeoutError(head + f" Stacks: {os.path.join(self.run_dir, 'stall_report.txt')}")
+        _thread.interrupt_main()
+
+        def last_resort() -> None:
+            logger.error(
+                "The run did not stop within %g s of its stall report; exiting (code 3).", STALL_GRACE_S
+            )
+            os._exit(3)
+
+        timer = threading.Timer(STALL_GRACE_S, last_resort)
+        timer.daemon = True
+        timer.start()
+
+    def _worker_stacks(self) -> list[str]:
+        """The stacks of the worker processes of this machine (Ray groups), dumped into their logs by
+        ``SIGUSR1`` and read back from the logs' ends."""
+        import socket
+
+        from trellis.utils.watchdog import signal_stack_dump, tail
+
+        here = socket.gethostname()
+        processes = []
+        for group in self.groups:
+            for rank, process in enumerate(getattr(group, "processes", None) or []):
+                processes.append((type(group).__name__, rank, process))
+        asked = [p for p in processes if p[2].get("host") == here and signal_stack_dump(int(p[2]["pid"]))]
+        if asked:
+            time.sleep(1.0)  # faulthandler writes from the signal handler; give the logs a moment
+        parts = []
+        for kind, rank, process in processes:
+            where = f"== worker {rank} of a {kind} (pid {process.get('pid')} on {process.get('host')}) =="
+            if process not in [p[2] for p in asked]:
+                parts.append(f"{where}\n(another machine, or it could not be signalled: see its log there)")
+                continue
+            parts.append(f"{where}\nlast lines of {process.get('log')}:\n{tail(process.get('log', ''), 80)}")
+        return parts
 
     def _batches(self) -> Any:
         while True:
@@ -357,12 +462,12 @@ class Trainer:
         """
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {"training/global_step": float(self.step)}
-        with marked_timer("step", timings):
-            with marked_timer("generate", timings):
+        with self._stage("step", timings):
+            with self._stage("generate", timings):
                 batch, greedy = self.generate_batch(prompts, self.step, timings)
             batch = self.train_batch(batch, greedy, metrics, timings)
             if self.rollout_has_own_weights:
-                with marked_timer("weight_sync", timings):
+                with self._stage("weight_sync", timings):
                     metrics.update(self.sync_weights())
         return self._step_metrics(batch, metrics, timings, waited=timings["generate"])
 
@@ -373,8 +478,8 @@ class Trainer:
         first lags exactly one policy version (``async/staleness/mean`` 1)."""
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {"training/global_step": float(self.step)}
-        with marked_timer("step", timings):
-            with marked_timer("wait_rollout", timings):
+        with self._stage("step", timings):
+            with self._stage("wait_rollout", timings):
                 batch, greedy = self._pending_batch.result()
             self._pending_batch = None
             busy = self._pending_seconds
@@ -384,10 +489,10 @@ class Trainer:
             metrics.update({"async/staleness/mean": float(lag), "async/staleness/max": float(lag)})
             batch = self.train_batch(batch, greedy, metrics, timings)
             if self._pending_batch is not None:  # the sync waits: the next batch is all old weights
-                with marked_timer("wait_next_rollout", timings):
+                with self._stage("wait_next_rollout", timings):
                     self._pending_batch.result()
             if self.rollout_has_own_weights:
-                with marked_timer("weight_sync", timings):
+                with self._stage("weight_sync", timings):
                     metrics.update(self.sync_weights())
         self._pending_version = self.step - 1 if self._pending_batch is not None else self.step
         waited = timings["wait_rollout"] + timings.get("wait_next_rollout", 0.0)
@@ -418,15 +523,15 @@ class Trainer:
             raise RuntimeError("train_step_async: trainer.mode is not async (no rollout stream).")
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {"training/global_step": float(self.step)}
-        with marked_timer("step", timings):
-            with marked_timer("wait_rollout", timings):
+        with self._stage("step", timings):
+            with self._stage("wait_rollout", timings):
                 groups, stream_metrics = stream.take(self.step)
             from trellis.rollout.agent_loop import concat_rollouts
 
             batch = concat_rollouts(groups)  # the stream took each group's agent metrics into its own
             metrics.update(stream_metrics)
             batch = self.train_batch(batch, None, metrics, timings)
-            with marked_timer("weight_sync", timings):
+            with self._stage("weight_sync", timings):
                 metrics.update(self.sync_weights())
             stream.set_version(self.step)
         return self._step_metrics(batch, metrics, timings, waited=timings["wait_rollout"], idle_measured=True)
@@ -504,7 +609,7 @@ class Trainer:
         batch = self.generate_sequences(_numbered(prompts.repeat(self.config.rollout.n)))
         greedy = None
         if "reward_baselines" in self.needs:  # remax: one greedy response per prompt
-            with marked_timer("generate_baseline", timings):
+            with self._stage("generate_baseline", timings):
                 greedy = self.generate_sequences(_numbered(_greedy(prompts)))
             greedy.meta_info.pop("metrics", None)
         return batch, greedy
@@ -518,9 +623,9 @@ class Trainer:
         cfg = self.config
         metrics.update(_worker_mean(batch.meta_info.pop("metrics", {}) or {}))
         if self.replicas is None and self.rollout_has_own_weights and cfg.rollout.free_cache_engine:
-            with marked_timer("rollout_sleep", timings):
+            with self._stage("rollout_sleep", timings):
                 self.actor_wg.sleep_rollout()
-        with marked_timer("score", timings):
+        with self._stage("score", timings):
             batch, reward_metrics = self.score(batch)
             if greedy is not None:
                 greedy, _ = self.score(greedy)
@@ -531,22 +636,22 @@ class Trainer:
         # a batch with more rows than one mini-batch (agent loops that split a prompt into several samples)
         # takes several optimizer steps, so even an on-policy config needs the old log-probs then
         if self.recompute_old_log_probs or len(batch) > cfg.actor.ppo_mini_batch_size * cfg.rollout.n:
-            with marked_timer("old_log_prob", timings):
+            with self._stage("old_log_prob", timings):
                 batch = batch.union(self.actor_wg.compute_log_prob(batch))
             entropy = masked_mean(batch.tensors["entropys"], batch.tensors["response_mask"].float())
             metrics["actor/entropy_rollout"] = float(entropy)
         if cfg.ref.enable:
-            with marked_timer("ref", timings):
+            with self._stage("ref", timings):
                 batch = batch.union(self.actor_wg.compute_ref_log_prob(batch))
         if self.critic_wg is not None:
-            with marked_timer("values", timings):
+            with self._stage("values", timings):
                 batch = batch.union(self.critic_wg.compute_values(batch))
-        with marked_timer("advantage", timings):
+        with self._stage("advantage", timings):
             metrics.update(self.compute_advantages(batch))
         if self.critic_wg is not None:
-            with marked_timer("update_critic", timings):
+            with self._stage("update_critic", timings):
                 metrics.update(M.mean_metrics(self.critic_wg.update_critic(batch)))
-        with marked_timer("update_actor", timings):
+        with self._stage("update_actor", timings):
             metrics.update(M.mean_metrics(self.actor_wg.update_actor(batch)))
         return batch[:rows] if len(batch) != rows else batch
 
