@@ -93,6 +93,9 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "data.chat_template_kwargs": (DATASET + "test_chat_template_kwargs_reach_the_template",),
     "data.dataloader_num_workers": (LOADER,),
     "data.image_key": (MULTIMODAL,),
+    "reward.memory_limit_mb": (
+        "tests/test_hostile_input.py::test_reward_memory_limit_mb_reaches_the_async_manager_and_is_refused_elsewhere",
+    ),
     "trainer.stage_timeout_s": (WATCHDOG,),
     "trainer.stage_timeouts": (WATCHDOG,),
     "data.video_key": (MULTIMODAL,),

@@ -837,6 +837,13 @@ class RewardConfig(BaseConfig):
         "the batch).",
         ge=1,
     )
+    memory_limit_mb: int | None = knob(
+        None,
+        "Address-space limit of each async-manager scoring process, in MiB: a reward function that leaks or "
+        "balloons past it fails that call (scored 0, counted in reward/errors) instead of exhausting the "
+        "machine. Needs reward.manager=async. null = no limit.",
+        ge=64,
+    )
     tool_reward_weight: float = knob(
         1.0,
         "Weight of the tools' rewards (step rewards plus calc_reward at the end of a trajectory) added to "

@@ -47,9 +47,15 @@ def read_rows(path: str) -> list[dict[str, Any]]:
         opened = fsspec.open(path, "rb")
         with opened as handle:
             if extension == ".parquet":
+                import pyarrow as pa
                 import pyarrow.parquet as pq
 
-                rows: list[dict[str, Any]] = pq.read_table(handle).to_pylist()
+                try:
+                    rows: list[dict[str, Any]] = pq.read_table(handle).to_pylist()
+                except pa.ArrowException as exc:
+                    raise DatasetError(
+                        f"Dataset file {path!r} is not a readable parquet file: {exc}"
+                    ) from exc
                 return rows
             lines = handle.read().decode("utf-8").splitlines()
     except FileNotFoundError as exc:
@@ -68,9 +74,14 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _messages(prompt: Any, where: str, column: str, wrap_text: bool) -> list[dict[str, str]] | str:
-    """Validate a prompt cell: a list of {role, content} messages, or a string."""
+def _messages(
+    prompt: Any, where: str, column: str, wrap_text: bool, allow_empty: bool = False
+) -> list[dict[str, str]] | str:
+    """Validate a prompt cell: a list of {role, content} messages, or a string; never an empty one
+    (unless ``allow_empty``: the row's images or videos are the prompt)."""
     if isinstance(prompt, str):
+        if not prompt.strip() and not allow_empty:
+            raise DatasetError(f"{where}, column {column!r}: the prompt is empty; give every row a prompt.")
         return [{"role": "user", "content": prompt}] if wrap_text else prompt
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise DatasetError(
@@ -87,6 +98,10 @@ def _messages(prompt: Any, where: str, column: str, wrap_text: bool) -> list[dic
                 f"{where}, column {column!r}: message {i} must be a dict with string 'role' and "
                 f"'content', got {message!r:.80}."
             )
+    if not allow_empty and not any(message["content"].strip() for message in prompt):
+        raise DatasetError(
+            f"{where}, column {column!r}: every message of the prompt is empty; give every row a prompt."
+        )
     return [dict(message) for message in prompt]
 
 
@@ -184,7 +199,8 @@ class RLDataset(torch.utils.data.Dataset[dict[str, Any]]):
                     f"{location}: missing column {prompt_key!r} (columns: {', '.join(sorted(row))}). "
                     f"Set data.prompt_key to the column that holds the prompt."
                 )
-            prompts.append(_messages(row[prompt_key], location, prompt_key, apply_chat_template))
+            pictures = any(_items(row.get(key)) for key in (image_key, video_key)) and processor is not None
+            prompts.append(_messages(row[prompt_key], location, prompt_key, apply_chat_template, pictures))
         token_ids = self._tokenize(prompts)
         for i, (row, location) in enumerate(zip(rows, where, strict=True)):
             if self._has_items(row, location):  # the prompt with its images through the processor

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import multiprocessing
 import pickle
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from trellis.config.schema import DataConfig, RewardConfig
 from trellis.data.protocol import DataProto
 from trellis.errors import TrellisError
 from trellis.reward.resolve import resolve_reward_function
-from trellis.reward.workers import warm_up, worker_score
+from trellis.reward.workers import set_memory_limit, warm_up, worker_score
 from trellis.utils.coroutines import run_coroutine
 from trellis.utils.deadline import CallTimeout, call_with_deadline
 
@@ -72,12 +73,15 @@ def outcome_of(result: Any) -> ScoreOutcome:
 
 def _as_float(value: Any) -> float:
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise TypeError(
             f"a reward function returned {value!r} ({type(value).__name__}); return a number or "
             "a dict with a numeric 'score'."
         ) from None
+    if not math.isfinite(number):  # a NaN would turn every advantage of its group into NaN
+        raise ValueError(f"a reward function returned {number} (not finite); return a finite number.")
+    return number
 
 
 class _RewardManager:
@@ -388,9 +392,14 @@ class AsyncRewardManager(_RewardManager):
     garbage-collected.
     """
 
-    def __init__(self, *args: Any, max_concurrency: int = 64, **kwargs: Any):
+    def __init__(
+        self, *args: Any, max_concurrency: int = 64, memory_limit_mb: int | None = None, **kwargs: Any
+    ):
         super().__init__(*args, **kwargs)
         self.max_concurrency = max_concurrency
+        if memory_limit_mb is not None and memory_limit_mb < 64:
+            raise ValueError(f"memory_limit_mb={memory_limit_mb!r} must be at least 64 (MiB) or None.")
+        self.memory_limit_mb = memory_limit_mb
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._is_async = inspect.iscoroutinefunction(self.compute_score)
         # what a worker process needs to score: a name or reference (with kwargs) it resolves itself,
@@ -457,7 +466,10 @@ class AsyncRewardManager(_RewardManager):
             if self._pool is None:
                 methods = multiprocessing.get_all_start_methods()
                 context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-                pool = concurrent.futures.ProcessPoolExecutor(self.num_workers, mp_context=context)
+                limit = None if self.memory_limit_mb is None else self.memory_limit_mb * 2**20
+                pool = concurrent.futures.ProcessPoolExecutor(
+                    self.num_workers, mp_context=context, initializer=set_memory_limit, initargs=(limit,)
+                )
                 # Start every worker and load the function before any call is timed.
                 warm = [pool.submit(warm_up, self._payload) for _ in range(self.num_workers)]
                 try:
@@ -499,6 +511,11 @@ class AsyncRewardManager(_RewardManager):
         except BrokenProcessPool:
             self._discard(pool)
             return None
+        except MemoryError:  # the call's memory limit: the process may be in any state, so it goes
+            self._discard(pool)
+            return ScoreOutcome(
+                error=f"ran out of its {self.memory_limit_mb} MiB (reward.memory_limit_mb); scored 0"
+            )
         except Exception as exc:
             return _failed(exc)
         try:

@@ -23,6 +23,7 @@ the sending half of the weight sync (``plan_rollout_sync``, ``connect_rollout_sy
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ import torch
 
 from trellis.algorithms import objective
 from trellis.algorithms.aggregation import GlobalBatchInfo
+from trellis.config.base import ConfigValueError
 from trellis.data.protocol import DataProto
 from trellis.distributed import (
     Dispatch,
@@ -511,12 +513,24 @@ def build_reward_manager(config: Any, tokenizer: Any, reward_fn: Any = None) -> 
     with_model = model is not None and model.enabled
     rule = None
     if not with_model or reward_fn is not None or config.reward.function is not None:
-        rule = reward_managers.get(config.reward.manager)(
+        manager_cls = reward_managers.get(config.reward.manager)
+        limits: dict[str, Any] = {}
+        if config.reward.memory_limit_mb is not None:
+            if "memory_limit_mb" not in inspect.signature(manager_cls).parameters:
+                raise ConfigValueError(
+                    "reward.memory_limit_mb",
+                    config.reward.memory_limit_mb,
+                    "needs a manager that scores in processes of its own (reward.manager=async); "
+                    f"{config.reward.manager!r} scores in the trainer's process, which a limit would cap too",
+                )
+            limits["memory_limit_mb"] = config.reward.memory_limit_mb
+        rule = manager_cls(
             tokenizer,
             compute_score=reward_fn if reward_fn is not None else config.reward.function,
             reward_fn_key=config.data.reward_fn_key,
             timeout_seconds=config.reward.timeout_seconds,
             num_workers=config.reward.num_workers,
+            **limits,
             **dict(config.reward.function_kwargs or {}),
         )
     if not with_model:
