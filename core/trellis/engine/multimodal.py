@@ -10,6 +10,11 @@ positions for vision tokens, text positions after them shifted by the image's ex
 full prompt + response ids and the attention mask, so left padding and the response are placed as
 in generation.
 
+The pixel values go into the model's forward; inside it (:meth:`VisionBatch.placeholders`) the
+vision tower runs on them alone and the features land on exactly the prompt's (and tool turns') item
+tokens, so a pad token the policy generated stays text, and under ``fsdp`` everything runs inside the
+root module's forward with its weights gathered (the tower is a sharding unit of its own).
+
 Packed micro-batches (``model.use_remove_padding``) keep the real tokens' positions
 (:func:`packed_positions`) and put the plain per-sequence text positions in front, the
 ``(4, 1, total)`` layout with which Qwen2-VL-family models find the packed sequences' boundaries.
