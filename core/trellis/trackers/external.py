@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
+import time
 from typing import Any
 
 from trellis.config.base import schema_default
@@ -18,12 +20,13 @@ from trellis.trackers.base import Tracker
 from trellis.utils.settings import setting
 
 
-def _require(module: str, extra: str) -> Any:
+def _require(module: str, extra: str, package: str | None = None) -> Any:
+    """Import ``module``; when that fails, say which ``package`` (default: ``extra``) to install."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
-            f"The {extra!r} tracker needs the {module.split('.')[0]!r} package: "
+            f"The {extra!r} tracker needs the {package or extra!r} package: "
             f"pip install 'trellis-rl[{extra}]' (or remove {extra} from trainer.trackers). ({exc})"
         ) from None
 
@@ -70,6 +73,7 @@ class TensorboardTracker(Tracker):
         **options: Any,
     ):
         super().__init__(run_dir, config)
+        # torch's writer; it needs the tensorboard package (its protobufs), hence the extra
         tensorboard = _require("torch.utils.tensorboard", "tensorboard")
         self.log_dir = log_dir or os.path.join(run_dir, "tensorboard")
         self.writer = tensorboard.SummaryWriter(log_dir=self.log_dir)
@@ -119,8 +123,15 @@ class WandbTracker(Tracker):
 class MlflowTracker(Tracker):
     """An MLflow run in experiment ``trainer.project_name``, named ``trainer.experiment_name``.
 
+    It talks to MLflow through an ``MlflowClient`` and the run's id, not MLflow's fluent API:
+    the fluent API keeps its active run per thread (a ``log`` from another thread would start a
+    second run) and its tracking URI process-wide, and refuses to start while the caller has a
+    run of its own active.
+
     Options:
-        tracking_uri: where MLflow records (default: its own default, or ``MLFLOW_TRACKING_URI``).
+        tracking_uri: where MLflow records (default: ``MLFLOW_TRACKING_URI``, else MLflow's own
+            default, ``sqlite:///mlflow.db`` in the working directory since MLflow 3; a
+            ``file://`` store needs ``MLFLOW_ALLOW_FILE_STORE=true`` there).
     """
 
     def __init__(
@@ -133,24 +144,54 @@ class MlflowTracker(Tracker):
     ):
         super().__init__(run_dir, config)
         self.mlflow = _require("mlflow", "mlflow")
-        if tracking_uri:
-            self.mlflow.set_tracking_uri(tracking_uri)
+        self.metric = _require("mlflow.entities", "mlflow").Metric
+        self.client = self.mlflow.MlflowClient(tracking_uri=tracking_uri)
         project, name = _run_name(config)
-        self.mlflow.set_experiment(project)
-        self.run = self.mlflow.start_run(run_name=name)
+        experiment = self.client.get_experiment_by_name(project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+        self.run = self.client.create_run(experiment_id, run_name=name)
+        self.run_id = self.run.info.run_id
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        # MLflow metric names may not contain some characters used here ("@"); replace them
-        self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in _numbers(metrics).items()}, step=step)
+        timestamp = int(time.time() * 1000)
+        batch = [
+            self.metric(key=_mlflow_name(key), value=value, timestamp=timestamp, step=step)
+            for key, value in _numbers(metrics).items()
+        ]
+        for start in range(0, len(batch), _MLFLOW_BATCH):  # MLflow takes at most 1000 a call
+            self.client.log_batch(self.run_id, metrics=batch[start : start + _MLFLOW_BATCH])
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
-        """A table artifact ``val_generations/step_<step>.json``."""
+        """A table artifact ``val_generations/step_<step>.json`` (MLflow's table layout: ``columns``
+        and ``data`` rows). ``log_table`` needs pandas, which ``mlflow-skinny`` lacks; without it the
+        same layout is written with ``log_dict``."""
         columns = ["prompt", "response", "score"]
-        data = {c: [s.get(c) for s in samples] for c in columns}
-        self.mlflow.log_table(data=data, artifact_file=f"val_generations/step_{step}.json")
+        artifact = f"val_generations/step_{step}.json"
+        try:
+            importlib.import_module("pandas")
+        except ImportError:
+            rows = [[s.get(c) for c in columns] for s in samples]
+            self.client.log_dict(self.run_id, {"columns": columns, "data": rows}, artifact)
+        else:
+            data = {c: [s.get(c) for s in samples] for c in columns}
+            self.client.log_table(self.run_id, data=data, artifact_file=artifact)
 
     def finish(self) -> None:
-        self.mlflow.end_run()
+        self.client.set_terminated(self.run_id, "FINISHED")
+
+
+_MLFLOW_BATCH = 1000
+
+
+def _mlflow_name(key: str) -> str:
+    """``key`` as a name MLflow accepts: ``@`` -> ``_at_`` (``val/pass@1`` -> ``val/pass_at_1``),
+    any other character but letters, digits, ``_ - . /`` and spaces -> ``_`` (MLflow refuses
+    them; ``:`` too, which MLflow takes except on Windows, so a run's names are the same
+    everywhere), and no empty, ``.`` or ``..`` path segments (MLflow refuses names that a path
+    normalisation would change)."""
+    name = re.sub(r"[^\w.\- /]", "_", key.replace("@", "_at_"))
+    parts = ["_" if part in (".", "..") else part for part in name.split("/") if part]
+    return "/".join(parts) or "_"
 
 
 def _markdown(samples: list[dict[str, Any]]) -> str:
