@@ -13,9 +13,14 @@ from trellis.reward.builtin import (
     default_compute_score,
     exact_match_score,
     format_score,
+    geo3k_score,
+    gsm8k_lenient_score,
     gsm8k_score,
     judge_score,
+    math_dapo_score,
+    math_lenient_score,
     math_score,
+    search_r1_score,
 )
 from trellis.reward.resolve import resolve_reward_function
 from trellis.utils.lazy import lazy_attributes
@@ -34,9 +39,14 @@ __all__ = [
     "default_compute_score",
     "exact_match_score",
     "format_score",
+    "geo3k_score",
+    "gsm8k_lenient_score",
     "gsm8k_score",
     "judge_score",
+    "math_dapo_score",
+    "math_lenient_score",
     "math_score",
+    "search_r1_score",
     "resolve_reward_function",
     *_LAZY,
 ]

@@ -4,6 +4,12 @@ Each follows the reward-function protocol
 ``score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``
 (called by keyword) and needs nothing beyond the standard library. A dict result carries its
 reward under ``"score"``; its other fields are logged per sample.
+
+The dispatcher :func:`default_compute_score` (``reward.function: null``) scores every data source
+verl's ``default_compute_score`` scores and Trellis has a scorer for exactly as verl 0.9.1 does
+(:mod:`trellis.reward.verl_rules`): ``gsm8k`` and ``math`` are those verl-identical scorers. The
+lenient ones Trellis had before, which accept ``#### 1,000.0`` or ``\\boxed{0.75}`` for ``3/4``, are
+:func:`gsm8k_lenient_score` and :func:`math_lenient_score` (``gsm8k_lenient``, ``math_lenient``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,40 @@ from fractions import Fraction
 from typing import Any
 
 from trellis.errors import TrellisError
+from trellis.reward.verl_rules import (
+    geo3k_score,
+    gsm8k_score,
+    math_dapo_score,
+    math_score,
+    search_r1_score,
+)
+
+__all__ = [
+    "DATA_SOURCES",
+    "DATA_SOURCE_PREFIXES",
+    "UnknownDataSourceError",
+    "arithmetic_score",
+    "default_compute_score",
+    "exact_match_score",
+    "extract_gsm8k_answer",
+    "format_score",
+    "geo3k_score",
+    "gsm8k_lenient_score",
+    "gsm8k_score",
+    "is_math_equiv",
+    "judge_score",
+    "last_boxed",
+    "math_dapo_score",
+    "math_lenient_score",
+    "math_score",
+    "math_value",
+    "normalize_math_answer",
+    "normalize_number",
+    "parse_final_integer",
+    "parse_judge_score",
+    "scorer_for",
+    "search_r1_score",
+]
 
 
 class UnknownDataSourceError(TrellisError, LookupError):
@@ -57,13 +97,14 @@ def _last_number(text: str) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- gsm8k
+# ---------------------------------------------------------------- gsm8k, lenient
 
 _GSM8K_STRICT_RE = re.compile(r"####\s*(-?[$\d.,\s]*\d[\d.,]*)")
 
 
 def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
-    """The normalised answer of a GSM8K-style response, or None.
+    """The normalised answer of a GSM8K-style response, or None (what :func:`gsm8k_lenient_score`
+    reads; verl's reading is :func:`~trellis.reward.verl_rules.extract_gsm8k_answer_verl`).
 
     ``strict``: the number after the last ``####``. ``flexible``: the last number anywhere.
 
@@ -78,7 +119,7 @@ def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | Non
     raise ValueError(f"gsm8k method must be 'strict' or 'flexible', got {method!r}.")
 
 
-def gsm8k_score(
+def gsm8k_lenient_score(
     data_source: str,
     solution_str: str,
     ground_truth: Any,
@@ -88,8 +129,12 @@ def gsm8k_score(
     format_score: float = 0.0,
     score: float = 1.0,
 ) -> float:
-    """GSM8K: ``score`` when the response's answer equals ``ground_truth``, else ``format_score``
+    """GSM8K, leniently (registered as ``gsm8k_lenient``; verl's scoring is :func:`gsm8k_score`):
+    ``score`` when the response's answer equals ``ground_truth`` as a number, else ``format_score``
     if an answer was found, else 0.
+
+    Unlike verl it accepts ``#### $2652``, ``####2652`` and ``#### 2652.00`` for ``2652`` and reads the
+    whole response, not its last 300 characters.
 
     ``method="strict"`` reads the number after the last ``#### ``; ``"flexible"`` the last number in
     the text. ``extra_info["method"]`` overrides the keyword per sample. Numbers are compared after
@@ -105,7 +150,7 @@ def gsm8k_score(
     return float(score) if answer == _canon(ground_truth) else float(format_score)
 
 
-# ---------------------------------------------------------------- math
+# ---------------------------------------------------------------- math, lenient
 
 
 def last_boxed(text: str) -> str | None:
@@ -214,10 +259,12 @@ def is_math_equiv(answer: str, ground_truth: str) -> bool:
     return va is not None and va == vb
 
 
-def math_score(
+def math_lenient_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
-    """MATH: 1.0 when the last ``\\boxed{...}`` of the response is equivalent to ``ground_truth``.
+    """MATH, leniently (registered as ``math_lenient``; verl's scoring is :func:`math_score`): 1.0
+    when the last ``\\boxed{...}`` (or ``\\fbox{...}``) of the response is equivalent to
+    ``ground_truth``; unlike verl, ``\\boxed{0.75}`` is right for ``\\frac{3}{4}``.
 
     Equivalence is :func:`is_math_equiv` (normalised strings, or equal rationals); it needs no
     symbolic algebra, so ``x^2+2x`` and ``2x+x^2`` differ (see the ``math_verify`` plugin for that).
@@ -360,35 +407,67 @@ def judge_score(
 
 # ---------------------------------------------------------------- dispatch by data_source
 
+_SEARCH_R1_SOURCES = (
+    "searchR1_nq",
+    "searchR1_triviaqa",
+    "searchR1_popqa",
+    "searchR1_hotpotqa",
+    "searchR1_2wikimultihopqa",
+    "searchR1_musique",
+    "searchR1_bamboogle",
+)
+
 DATA_SOURCES: dict[str, Callable[..., Any]] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
     "lighteval/MATH": math_score,
     "DigitalLearningGmbH/MATH-lighteval": math_score,
     "HuggingFaceH4/MATH-500": math_score,
-    "math": math_score,
+    "math": math_dapo_score,
+    "math_dapo": math_dapo_score,
+    "math_dapo_reasoning": math_dapo_score,
+    "hiyouga/geometry3k": geo3k_score,
+    **dict.fromkeys(_SEARCH_R1_SOURCES, search_r1_score),
     "arithmetic": arithmetic_score,
 }
-"""data_source -> scoring function, as :func:`default_compute_score` dispatches."""
+"""data_source -> scoring function, as :func:`default_compute_score` dispatches. Every source verl
+0.9.1's ``default_compute_score`` scores with a rule Trellis has gets verl's scorer (``math`` is DAPO
+math there, not MATH); ``gsm8k`` (verl's GSM8K scorer) and ``arithmetic`` (the demo) are Trellis's own."""
+
+DATA_SOURCE_PREFIXES: dict[str, Callable[..., Any]] = {"aime": math_dapo_score}
+"""data_source prefix -> scoring function, for a source :data:`DATA_SOURCES` does not name
+(verl scores every ``aime*`` source as DAPO math)."""
+
+
+def scorer_for(data_source: Any) -> Callable[..., Any] | None:
+    """The built-in scoring function for ``data_source``, or None."""
+    fn = DATA_SOURCES.get(data_source)
+    if fn is None and isinstance(data_source, str):
+        fn = next((f for p, f in DATA_SOURCE_PREFIXES.items() if data_source.startswith(p)), None)
+    return fn
 
 
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
 ) -> float | dict[str, Any]:
-    """Score with the built-in function for ``data_source`` (see :data:`DATA_SOURCES`).
+    """Score with the built-in function for ``data_source`` (see :data:`DATA_SOURCES` and
+    :data:`DATA_SOURCE_PREFIXES`), which gives verl 0.9.1's score for verl's data sources.
 
-    Used when ``reward.function`` is null; ``kwargs`` go to the chosen function.
+    Used when ``reward.function`` is null; ``kwargs`` go to the chosen function (e.g. ``method`` to
+    the GSM8K scorer).
 
     Raises:
         UnknownDataSourceError: ``data_source`` has no built-in scorer; the message lists the known
             ones and says how to choose a function explicitly.
     """
-    fn = DATA_SOURCES.get(data_source)
+    fn = scorer_for(data_source)
     if fn is None:
+        prefixes = ", ".join(f"{p}*" for p in DATA_SOURCE_PREFIXES)
         raise UnknownDataSourceError(
             f"No built-in reward function for data_source {data_source!r}. Known data sources: "
-            f"{', '.join(DATA_SOURCES)}. Set reward.function to a registered name (e.g. 'exact_match'), "
-            "'package.module:fn' or './file.py:fn', or fix the data's reward_fn_key column."
+            f"{', '.join(DATA_SOURCES)}, {prefixes}. Set reward.function to a registered name "
+            "(e.g. 'exact_match'), 'package.module:fn' or './file.py:fn', or fix the data's "
+            "reward_fn_key column."
         )
     return fn(
         data_source=data_source,
