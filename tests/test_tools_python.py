@@ -220,9 +220,12 @@ def test_tmp_var_tmp_and_dev_shm_are_private_empty_and_gone_after_the_call():
 
 @needs_isolation
 def test_the_rest_of_the_filesystem_is_read_only():
-    shared = tempfile.mkdtemp(
-        prefix=".trellis-world-writable-", dir=os.path.dirname(os.path.abspath(__file__))
-    )
+    # a host folder the sandbox sees as it is: not under /tmp, /var/tmp or /dev/shm, which it replaces
+    # (a clone of the repository may well live under /tmp)
+    private = ("/tmp", "/var/tmp", "/dev/shm")
+    candidates = [os.path.dirname(os.path.abspath(__file__)), os.path.expanduser("~"), "/run"]
+    home = next(c for c in candidates if not os.path.realpath(c).startswith(private))
+    shared = tempfile.mkdtemp(prefix=".trellis-world-writable-", dir=home)
     os.chmod(shared, 0o1777)  # writable by anyone, the sandbox's uid included, were it not read-only
     targets = [
         os.path.join(shared, "x"),
