@@ -222,9 +222,16 @@ def test_tmp_var_tmp_and_dev_shm_are_private_empty_and_gone_after_the_call():
 def test_the_rest_of_the_filesystem_is_read_only():
     # a host folder the sandbox sees as it is: not under /tmp, /var/tmp or /dev/shm, which it replaces
     # (a clone of the repository may well live under /tmp)
+    # and one every uid can reach (each folder above it searchable by others: not /root, 0700)
     private = ("/tmp", "/var/tmp", "/dev/shm")
-    candidates = [os.path.dirname(os.path.abspath(__file__)), os.path.expanduser("~"), "/run"]
-    home = next(c for c in candidates if not os.path.realpath(c).startswith(private))
+
+    def reachable(folder: str) -> bool:
+        real = os.path.realpath(folder)
+        parts = [real, *(os.path.dirname(real[:i]) for i in range(len(real), 0, -1) if real[i - 1] == "/")]
+        return not real.startswith(private) and all(os.stat(p).st_mode & 0o001 for p in set(parts) if p)
+
+    candidates = [os.path.dirname(os.path.abspath(__file__)), "/run", "/var/lib"]
+    home = next(c for c in candidates if os.path.isdir(c) and reachable(c))
     shared = tempfile.mkdtemp(prefix=".trellis-world-writable-", dir=home)
     os.chmod(shared, 0o1777)  # writable by anyone, the sandbox's uid included, were it not read-only
     targets = [
