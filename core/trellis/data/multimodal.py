@@ -319,6 +319,15 @@ def vision_inputs(
     return {key: value for key, value in inputs.items() if key not in _TOKEN_KEYS}
 
 
+def item_tokens(processor: Any, inputs: dict[str, Any], kind: str = "image") -> list[int]:
+    """How many pad tokens each ``kind`` item of ``inputs`` (:func:`vision_inputs`) takes in a prompt:
+    its patches over ``merge_size``² (the Qwen-VL family's rule; ``merge_size`` of the processor's image or
+    video processor, 1 when it has none)."""
+    part = getattr(processor, f"{kind}_processor", None)
+    merge = int(getattr(part, "merge_size", 1) or 1)
+    return [int(grid.prod()) // merge**2 for grid in inputs.get(f"{kind}_grid_thw", ())]
+
+
 def count(data: Any) -> tuple[int, int]:
     """``(images, videos)`` in a ``multi_modal_data`` cell (None or a dict)."""
     if not isinstance(data, Mapping):

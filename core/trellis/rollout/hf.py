@@ -532,20 +532,16 @@ class HFRolloutReplica(RolloutReplica):
         Raises:
             ValueError: a text-only model; a prompt whose pad tokens do not match its items (counts named).
         """
-        from trellis.data.multimodal import vision_inputs
+        from trellis.data.multimodal import item_tokens, vision_inputs
 
         processor = self._vision_processor()
         data = req.multi_modal_data
         inputs = vision_inputs(processor, data.get("image") or (), data.get("video") or ())
         config = self.model.config
-        for kind, grid_key, token_key, part in (
-            ("image", "image_grid_thw", "image_token_id", "image_processor"),
-            ("video", "video_grid_thw", "video_token_id", "video_processor"),
-        ):
+        for kind in ("image", "video"):
             items = len(data.get(kind) or ())
-            token_id = getattr(config, token_key, None)
-            merge = int(getattr(getattr(processor, part, None), "merge_size", 1) or 1)
-            expected = sum(int(g.prod()) // merge**2 for g in inputs.get(grid_key, ()))
+            token_id = getattr(config, f"{kind}_token_id", None)
+            expected = sum(item_tokens(processor, inputs, kind))
             found = sum(t == token_id for t in req.prompt_ids) if token_id is not None else 0
             if found != expected:
                 raise ValueError(

@@ -167,11 +167,9 @@ class ToolAgentLoop(AgentLoop):
     def _widen_image_tokens(self, turn: list[int], images: list[Any]) -> list[int]:
         """``turn`` with its image pad tokens (one per image, as the chat template renders them) widened
         to each image's token count under the processor (Qwen-VL family: patches / merge_size²)."""
-        from trellis.data.multimodal import vision_inputs
+        from trellis.data.multimodal import item_tokens, vision_inputs
 
-        grids = vision_inputs(self.processor, images)["image_grid_thw"]
-        merge = int(getattr(self.processor.image_processor, "merge_size", 1))
-        counts = iter([int(g.prod()) // merge**2 for g in grids])
+        counts = iter(item_tokens(self.processor, vision_inputs(self.processor, images)))
         pad = self.tokenizer.convert_tokens_to_ids(getattr(self.processor, "image_token", "<|image_pad|>"))
         out: list[int] = []
         for token in turn:

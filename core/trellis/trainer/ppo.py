@@ -436,13 +436,13 @@ class Trainer:
         for group in self.groups:
             for rank, process in enumerate(getattr(group, "processes", None) or []):
                 processes.append((type(group).__name__, rank, process))
-        asked = [p for p in processes if p[2].get("host") == here and signal_stack_dump(int(p[2]["pid"]))]
-        if asked:
+        dumped = [p.get("host") == here and signal_stack_dump(int(p["pid"])) for _, _, p in processes]
+        if any(dumped):
             time.sleep(1.0)  # faulthandler writes from the signal handler; give the logs a moment
         parts = []
-        for kind, rank, process in processes:
+        for (kind, rank, process), in_log in zip(processes, dumped, strict=True):
             where = f"== worker {rank} of a {kind} (pid {process.get('pid')} on {process.get('host')}) =="
-            if process not in [p[2] for p in asked]:
+            if not in_log:
                 parts.append(f"{where}\n(another machine, or it could not be signalled: see its log there)")
                 continue
             parts.append(f"{where}\nlast lines of {process.get('log')}:\n{tail(process.get('log', ''), 80)}")
