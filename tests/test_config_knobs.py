@@ -70,6 +70,8 @@ JUDGED_RUN = REWARD_MODEL + "test_a_training_step_is_scored_by_the_external_judg
 JUDGED_COLOCATED = REWARD_MODEL + "test_a_training_step_is_scored_by_a_colocated_judge"
 
 OPENAI_AGENT = "tests/test_openai_agent.py::"
+PROFILE = "tests/test_trainer_profile.py::"
+PROFILED_RUN = PROFILE + "test_trellis_train_profile_writes_traces_and_prints_the_top_operators"
 KNOBS: dict[str, tuple[str, ...]] = {
     # ---------------------------------------------------------------- data
     "data.train_files": (RUN_DATA,),
@@ -467,6 +469,21 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "trainer.replay_pool": (ASYNC_WIRING,),
     "trainer.replay_capacity": (ASYNC_WIRING, OVERLAP_CONFIG, DERIVED),
     "trainer.replay_ratio": (ASYNC_WIRING, STREAM + "test_replay_draws_trained_groups_again", OVERLAP_CONFIG),
+    "trainer.profile.steps": (
+        PROFILED_RUN,
+        PROFILE + "test_only_the_chosen_stages_of_the_chosen_steps_are_profiled",
+    ),
+    "trainer.profile.stages": (
+        PROFILE + "test_only_the_chosen_stages_of_the_chosen_steps_are_profiled",
+        PROFILE + "test_profile_settings_are_checked_when_the_config_is_built",
+    ),
+    "trainer.profile.top_k": (
+        PROFILED_RUN,
+        PROFILE + "test_top_k_and_record_shapes_shape_the_table_and_the_trace",
+    ),
+    "trainer.profile.record_shapes": (
+        PROFILE + "test_top_k_and_record_shapes_shape_the_table_and_the_trace",
+    ),
 }
 
 _ACROSS_PROCESSES = "belongs to the issue on running the trainer across processes"

@@ -6,7 +6,7 @@
     trellis doctor                              versions, device backends, replicas, checkpoint
                                                 engines (and what CI does not run), plugin health
     trellis export CKPT_DIR --to HF_DIR         a training checkpoint as a Hugging Face model folder
-    trellis train [CONFIG.yaml] [key=value ...] train (--preset tiny|demo, --print-config)
+    trellis train [CONFIG.yaml] [key=value ...] train (--preset tiny|demo, --print-config, --profile)
 
 Tables are drawn with rich on a terminal and printed as plain columns when piped.
 """
@@ -14,12 +14,13 @@ Tables are drawn with rich on a terminal and printed as plain columns when piped
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any
@@ -295,6 +296,42 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- train
 
+PROFILE_STEPS = (3, 4)
+"""The steps ``trellis train --profile`` profiles: past the first steps, whose time goes to warming up
+(allocator, lazy initialisation, kernel selection)."""
+
+
+def profile_steps(total_steps: int | None) -> list[int]:
+    """``--profile``'s steps for a run of ``total_steps`` steps: :data:`PROFILE_STEPS`, or the last two
+    steps of a shorter run (its only step, for one). A run whose length comes from its data
+    (``total_training_steps: null``) gets :data:`PROFILE_STEPS`."""
+    last = PROFILE_STEPS[-1]
+    if total_steps is None or total_steps >= last:
+        return list(PROFILE_STEPS)
+    return list(range(max(1, total_steps - len(PROFILE_STEPS) + 1), total_steps + 1))
+
+
+@contextlib.contextmanager
+def _profile_tables_shown(enabled: bool) -> Iterator[None]:
+    """While the block runs, show the profiled stages' tables (logged at INFO by
+    ``trellis.trainer.profiler``) on stderr, which Python's logging would otherwise keep quiet."""
+    if not enabled:
+        yield
+        return
+    import logging
+
+    log = logging.getLogger("trellis.trainer.profiler")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
 
 def cmd_train(args: argparse.Namespace) -> int:
     from trellis.config import load_config
@@ -310,6 +347,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         overrides = preset_overrides(args.preset) + overrides
     config = load_config(config_path, overrides)
+    if args.profile and not config.trainer.profile.steps:  # steps set explicitly win over the short form
+        config.trainer.profile.steps = profile_steps(config.trainer.total_training_steps)
     if args.print_config:
         from trellis.config.needs import resolve_needs
 
@@ -318,7 +357,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     import trellis
 
-    result = trellis.train(config)
+    with _profile_tables_shown(bool(config.trainer.profile.steps)):
+        result = trellis.train(config)
     print(f"Run directory: {result.run_dir}")
     if result.validation:
         first, last = result.validation[0][1], result.validation[-1][1]
@@ -434,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", help="a ready-made run: tiny (seconds, offline) or demo")
     train.add_argument(
         "--print-config", action="store_true", help="print the merged config with every default and exit"
+    )
+    train.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile every stage of steps 3 and 4 (the last two of a shorter run) with the torch profiler: "
+        "traces and top-operator tables in RUN_DIR/profile/ (short for trainer.profile.steps=[3,4])",
     )
     train.set_defaults(func=cmd_train)
 

@@ -18,7 +18,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trellis.config.base import BaseConfig, ConfigValueError, knob, section
+from trellis.config.base import BaseConfig, ConfigValueError, closest_hint, knob, section
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal[
@@ -1107,6 +1107,87 @@ class AlgorithmConfig(BaseConfig):
 
 # ---------------------------------------------------------------- trainer
 
+STAGES = (
+    "step",
+    "generate",
+    "generate_baseline",
+    "wait_rollout",
+    "rollout_sleep",
+    "score",
+    "old_log_prob",
+    "ref",
+    "values",
+    "advantage",
+    "update_critic",
+    "update_actor",
+    "wait_next_rollout",
+    "weight_sync",
+    "validate",
+    "checkpoint",
+)
+"""The stages of a training step, as ``trellis.trainer.ppo`` names them (``timing/<stage>``,
+``trainer.stage_timeouts``, ``trainer.profile.stages``), in the order they run. ``step`` encloses every
+other stage but ``validate`` and ``checkpoint`` (which follow it), ``generate`` encloses
+``generate_baseline``."""
+
+
+@dataclass
+class ProfileConfig(BaseConfig):
+    """The torch profiler on chosen stages of chosen steps (``trellis train --profile``): each profiled
+    stage writes ``run_dir/profile/step_<N>/<stage>.json`` (a Chrome trace for Perfetto or
+    chrome://tracing) and ``<stage>.txt`` (its top operators, also logged). With ``trainer.executor=ray``
+    every worker writes ``<stage>.rank<R>.json`` / ``.txt`` beside the driver's."""
+
+    steps: list[int] = knob(
+        [],
+        "Global steps whose stages are profiled (1 = the first step; 0 = the validation before training). "
+        "[] = off. Steps past the end of the run are skipped with a warning.",
+    )
+    stages: list[str] | None = knob(
+        None,
+        "Stages to profile, each into its own trace: generate, score, old_log_prob, ref, values, advantage, "
+        "update_critic, update_actor, weight_sync, validate, checkpoint, ... (see docs/training.md). "
+        "null = every stage but step. step encloses the others (torch runs one profiler at a time), so it "
+        "can only be profiled alone: [step] gives one trace of the whole step.",
+    )
+    top_k: int = knob(15, "Operators in each stage's table (by self CPU time, and self device time).", ge=1)
+    record_shapes: bool = knob(
+        False,
+        "Record each operator's input shapes: in the trace (args 'Input Dims'), and the table has a row "
+        "per operator and shape. Costs time and trace size.",
+    )
+
+    def finalize(self) -> None:
+        for i, step in enumerate(self.steps):
+            if step < 0:
+                raise ConfigValueError(
+                    "steps", self.steps, "must hold global step numbers >= 0", hint=f" Item {i} is {step}."
+                )
+        if self.stages is None:
+            return
+        for name in self.stages:
+            if name not in STAGES:
+                raise ConfigValueError(
+                    "stages",
+                    self.stages,
+                    "must name stages of a step, each one of " + ", ".join(STAGES),
+                    hint=f" Unknown stage {name!r}.{closest_hint(name, STAGES)}",
+                )
+        if "step" in self.stages and len(set(self.stages)) > 1:
+            raise ConfigValueError(
+                "stages",
+                self.stages,
+                "must not name step together with other stages: step encloses them and torch runs one "
+                "profiler at a time",
+                hint=" Profile [step] alone (its trace shows the other stages as ranges), or drop step.",
+            )
+
+    def profiled_stages(self) -> tuple[str, ...]:
+        """The stages profiled: ``stages``, or, when it is null, every stage but ``step``."""
+        if self.stages is None:
+            return tuple(name for name in STAGES if name != "step")
+        return tuple(self.stages)
+
 
 @dataclass
 class TrainerConfig(BaseConfig):
@@ -1196,6 +1277,11 @@ class TrainerConfig(BaseConfig):
         "(kept while no staler than rollout.max_staleness); 0 = every sample is trained once.",
         ge=0,
         lt=1,
+    )
+    profile: ProfileConfig = section(
+        ProfileConfig,
+        "The torch profiler on chosen stages of chosen steps (trellis train --profile): a Chrome trace and a "
+        "top-operator table per stage in run_dir/profile/step_<N>/. Off by default.",
     )
 
     def finalize(self) -> None:

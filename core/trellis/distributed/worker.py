@@ -174,6 +174,7 @@ class Worker:
     _world_size: int
     _dispatch_info: dict[str, int]  # mesh name -> this worker's data-parallel rank on it
     _collect_info: dict[str, bool]  # mesh name -> whether this worker's output is kept
+    _trellis_profiler: Any = None  # the torch profiler of a profiled stage (_trellis_start_profile)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Worker:
         self = super().__new__(cls)
@@ -248,3 +249,34 @@ class Worker:
     def _trellis_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` by name (how groups reach methods of colocated roles)."""
         return getattr(self, method)(*args, **kwargs)
+
+    def _trellis_start_profile(self, options: dict[str, Any]) -> None:
+        """Start the torch profiler in this worker's process, every thread of it (``options``: keyword
+        arguments of :func:`trellis.utils.profiling.start_profiler`); :meth:`_trellis_stop_profile` stops
+        it. How a group's :meth:`~trellis.distributed.worker_group.WorkerGroup.start_profiling` reaches it."""
+        from trellis.utils.profiling import start_profiler
+
+        running = self._trellis_profiler
+        if running is not None:  # left running by a stage that failed: the trainer does not stop those
+            running.stop()
+        self._trellis_profiler = start_profiler(**options)
+
+    def _trellis_stop_profile(self, output_dir: str, stem: str, top_k: int, title: str) -> Any:
+        """Stop the profiler :meth:`_trellis_start_profile` started and write what it recorded as
+        ``<output_dir>/<stem>.rank<rank>.json`` (Chrome trace) and ``.txt`` (top ``top_k`` operators,
+        headed by ``title`` and this rank); returns the :class:`~trellis.utils.profiling.ProfileReport`,
+        or None when no profiler was running."""
+        from trellis.utils.profiling import write_profile
+
+        prof = self._trellis_profiler
+        if prof is None:
+            return None
+        self._trellis_profiler = None
+        prof.stop()
+        return write_profile(
+            prof,
+            output_dir,
+            f"{stem}.rank{self.rank}",
+            top_k=top_k,
+            title=f"{title}, worker rank {self.rank}",
+        )

@@ -134,6 +134,30 @@ class WorkerGroup:
             return [i for _, i in sorted((r, i) for i, r in enumerate(ranks) if collect[i])]
         return list(range(self.world_size))
 
+    # -- profiling
+
+    def start_profiling(self, **options: Any) -> None:
+        """Start the torch profiler in every worker (``options``: keyword arguments of
+        :func:`trellis.utils.profiling.start_profiler`); :meth:`stop_profiling` writes what each recorded.
+
+        For groups whose workers run in processes of their own (Ray): a :class:`LocalWorkerGroup`'s
+        workers run in the caller's process, inside the caller's own profile, and torch runs one
+        profiler per process at a time.
+        """
+        self._get(
+            [self._execute(r, "_trellis_start_profile", (options,), {}) for r in range(self.world_size)]
+        )
+
+    def stop_profiling(self, output_dir: str, stem: str, *, top_k: int, title: str) -> list[Any]:
+        """Stop every worker's profiler; each writes ``<output_dir>/<stem>.rank<rank>.json`` (its Chrome
+        trace) and ``.txt`` (its top ``top_k`` operators under ``title``). Returns the workers'
+        :class:`~trellis.utils.profiling.ProfileReport` objects in rank order (None for a worker whose
+        profiler was not running)."""
+        args = (output_dir, stem, top_k, title)
+        return self._get(
+            [self._execute(r, "_trellis_stop_profile", args, {}) for r in range(self.world_size)]
+        )
+
     # -- meshes
 
     def _mesh(self, mesh_name: str) -> tuple[list[int], list[bool]]:

@@ -35,7 +35,9 @@ from trellis.algorithms.masked import masked_mean
 from trellis.data.protocol import DataProto
 from trellis.errors import TrellisError
 from trellis.trainer import metrics as M
+from trellis.trainer.profiler import StageProfiler
 from trellis.trainer.workers import seed_process
+from trellis.utils import fs
 from trellis.utils.timing import marked_timer
 from trellis.utils.watchdog import StageWatchdog
 
@@ -116,6 +118,12 @@ class Trainer:
         )
         """Every stage's deadline (``trainer.stage_timeout_s`` / ``stage_timeouts``): :meth:`_on_stall`."""
         self._stall: Any = None  # the StageTimeoutError of a stage past its deadline
+        run_dir = config.trainer.run_dir
+        self.profiler = StageProfiler(
+            config.trainer.profile, run_dir if fs.is_non_local(run_dir) else self.run_dir
+        )
+        """``trainer.profile``: the stages it names, of the steps it names, run under the torch profiler
+        (:meth:`_stage`)."""
         from trellis.config.needs import resolve_needs
 
         self.needs = resolve_needs(config)
@@ -301,6 +309,7 @@ class Trainer:
         seed_process(cfg.trainer.seed)
         hooks = get_plugin_manager().hook
         self._build_data()
+        self.profiler.check_run(self.total_steps, standalone=cfg.rollout.mode == "standalone")
         from trellis.trainer.judge import start_judge
 
         try:
@@ -373,9 +382,15 @@ class Trainer:
 
     @contextlib.contextmanager
     def _stage(self, name: str, timings: dict[str, float] | None = None) -> Iterator[None]:
-        """One stage of the step: timed into ``timings`` (``timing/<name>``), a profiler range, and
-        under its deadline (:attr:`watchdog`)."""
-        with self.watchdog.stage(name), marked_timer(name, {} if timings is None else timings):
+        """One stage of the step: timed into ``timings`` (``timing/<name>``), a profiler range, under its
+        deadline (:attr:`watchdog`), and, when ``trainer.profile`` names it and this step, profiled into
+        ``run_dir/profile/step_<N>/<name>.json`` (:attr:`profiler`; the Ray workers' processes too)."""
+        step = getattr(self, "step", 0)
+        with (
+            self.profiler.stage(name, step, self.groups),
+            self.watchdog.stage(name),
+            marked_timer(name, {} if timings is None else timings),
+        ):
             yield
 
     def _on_stall(self, stage: str, elapsed_s: float, limit_s: float) -> None:

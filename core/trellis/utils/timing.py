@@ -41,12 +41,21 @@ def _profiler_ranges(name: str, color: str | None) -> contextlib.ExitStack:
     torch = sys.modules.get("torch")
     if torch is None:  # a process that never imported torch has no torch profiler or CUDA context
         return stack
-    enabled = getattr(torch.autograd, "_profiler_enabled", None)
-    if enabled is None or enabled():
+    if _profiler_running(torch):
         stack.enter_context(torch.profiler.record_function(name))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         stack.enter_context(_nvtx_range(torch, name, color))
     return stack
+
+
+def _profiler_running(torch: ModuleType) -> bool:
+    """Whether a torch profiler records in this process: ``_profiler_enabled()`` sees one of the calling
+    thread (or one it inherited); a profiler of every thread (``profile_all_threads``, as
+    :func:`trellis.utils.profiling.start_profiler` starts) shows in the flag torch's profiler sets."""
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    if enabled is None or enabled():
+        return True
+    return bool(getattr(getattr(torch.autograd, "profiler", None), "_is_profiler_enabled", False))
 
 
 def _nvtx_range(torch: ModuleType, name: str, color: str | None) -> contextlib.AbstractContextManager[object]:
