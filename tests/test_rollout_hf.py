@@ -123,6 +123,8 @@ def test_coalescing_batches_concurrent_requests(tiny_model_path, hf):
 
 
 def test_max_batch_size_splits_batches(tiny_model_path, hf):
+    """Statically, 10 requests in batches of at most 4 take 3 generate calls; continuously, one session
+    whose running batch never holds more than 4 rows."""
     _, tok = hf
     ps = prompts(tok, 10)
 
@@ -130,9 +132,10 @@ def test_max_batch_size_splits_batches(tiny_model_path, hf):
         await asyncio.gather(
             *(replica.generate(p, SamplingParams(max_tokens=3), f"r{i}") for i, p in enumerate(ps))
         )
-        return replica.generate_calls
+        return replica.generate_calls, replica.decode_stats.peak_rows
 
-    assert run(tiny_model_path, body, max_batch_size=4) == 3
+    assert run(tiny_model_path, body, max_batch_size=4, batching="static") == (3, 0)
+    assert run(tiny_model_path, body, max_batch_size=4) == (1, 4)
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model_path, hf):

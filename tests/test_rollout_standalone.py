@@ -259,8 +259,11 @@ SLOW_LOOP = textwrap.dedent(
         async def run(self, sampling_params, **sample):
             prompt = self.prompt_ids(sample)
             first = await self.server.generate(prompt, sampling_params)
+            blocked = (0.0, 0.0)
             if sample["extra_info"]["slow"]:
+                start = time.time()
                 time.sleep(2.0)  # a tool that blocks its event loop (a synchronous HTTP call, a subprocess)
+                blocked = (start, time.time())
             ids = prompt + list(first.token_ids)
             second = await self.server.generate(ids, sampling_params)
             response = list(first.token_ids) + list(second.token_ids)
@@ -269,7 +272,7 @@ SLOW_LOOP = textwrap.dedent(
                 response_ids=response,
                 response_mask=[1] * len(response),
                 num_turns=3,
-                extra={"pid": os.getpid(), "done_at": time.time()},
+                extra={"pid": os.getpid(), "done_at": time.time(), "blocked": blocked},
             )
     """
 )
@@ -305,9 +308,12 @@ def test_a_blocking_tool_stalls_only_its_own_agent_worker(tmp_path, standalone, 
     pids, done = out.non_tensor_batch["pid"], out.non_tensor_batch["done_at"].astype(float)
     assert out.tensors["responses"].shape[0] == 8
     assert list(out.non_tensor_batch["__row__"]) == list(range(8))  # rows in order after the join
-    if num_workers == 1:  # one event loop: the blocked tool held every other sample back
+    if num_workers == 1:  # one event loop: the blocked tool held back every sample not yet done
+        start, end = out.non_tensor_batch["blocked"][0]
         assert set(pids) == {os.getpid()}
-        assert done[1:].min() > done[0] - 0.5
+        assert end - start >= 2.0
+        assert not ((done > start) & (done < end)).any()  # nothing finished while the loop was blocked
+        assert (done[1:] > end).any()  # (a continuous replica may finish short rows before it)
     else:  # rows 0-3 in one worker, 4-7 in the other, which never waited for the blocked tool
         assert len(set(pids[:4])) == 1 and len(set(pids[4:])) == 1 and pids[0] != pids[4]
         assert os.getpid() not in set(pids)

@@ -1,14 +1,24 @@
-"""The ``hf`` rollout replica: transformers ``generate``, with concurrent requests coalesced into batches.
+"""The ``hf`` rollout replica: transformers models, concurrent requests batched continuously.
 
 Requests from concurrent :meth:`HFRolloutReplica.generate` calls wait in a queue. A background
 task takes everything queued (up to ``max_batch_size``, after a ``batch_wait_s`` window for
-stragglers), left-pads the prompts and runs *one* ``model.generate`` (KV cache on) in a worker
-thread, so the event loop stays responsive. One batch runs at a time per replica; requests that
-arrive meanwhile form the next batch.
+stragglers) and decodes it in a worker thread, so the event loop stays responsive:
 
-Sampling. Every request in a batch may have its own sampling parameters. One logits processor
-(:class:`_RowSampler`) picks every row's next token with a few batched tensor ops on the
-logits' own device and hands ``generate`` (which itself runs greedy) a one-hot choice:
+- ``batching="continuous"`` (the default, for decoder-only text models with a plain KV cache):
+  a :class:`~trellis.rollout.hf_continuous.ContinuousDecoder` runs the batch step by step; requests
+  that arrive meanwhile join it between steps (up to ``max_batch_size`` rows), and each row leaves
+  (its caller gets its result, its KV rows are freed) as soon as it ends. See
+  :mod:`trellis.rollout.hf_continuous`.
+- ``batching="static"``, requests with images or videos, and models the decoder does not take
+  (sliding-window or linear-attention caches, vision-language models): the batch's prompts are
+  left-padded into *one* ``model.generate`` (KV cache on); requests that arrive meanwhile form the
+  next batch.
+
+Sampling. Every request in a batch may have its own sampling parameters; both paths pick tokens
+with :class:`~trellis.rollout.hf_sampling.RowRule`, so a seeded request gets the same tokens either
+way. On the generate path one logits processor (:class:`_RowSampler`) picks every row's next token
+with a few batched tensor ops on the logits' own device and hands ``generate`` (which itself runs
+greedy) a one-hot choice:
 
 - greedy rows (``temperature == 0``) take the argmax;
 - sampled rows divide the logits by their temperature, apply their top-k / top-p (only the rows
@@ -58,7 +68,8 @@ takes the lock and :meth:`~HFRolloutReplica.end_weight_update` sets the version,
 so no batch runs between the buckets of one update; ``update_weights`` called in between loads
 without locking again (called alone, it takes the lock itself and waits for the batch in flight).
 Without ``rollout.partial_rollout``, ``begin`` waits for the batch in flight to finish with the
-old weights.
+old weights; a continuous batch stops admitting requests meanwhile (they wait for the new
+weights), so an update never waits for more than the rows already running.
 
 Partial rollout (``rollout.partial_rollout``). ``begin`` first sets an event that an extra stopping
 criterion checks after each decoding step, so the batch in flight stops after its current token.
@@ -77,8 +88,9 @@ Modes on this backend: ``hybrid`` serves the model object the caller passes (the
 worker's own weights); ``colocated`` and ``standalone`` both load a private copy from
 ``model_config.path`` into this process (there is no separate server process).
 
-``engine_kwargs`` understood: ``max_batch_size`` (default 256), ``batch_wait_s`` (0.002),
-``cpu_threads`` (``"auto"``, or an int >= 1; only used when the model is on the CPU).
+``engine_kwargs`` understood: ``max_batch_size`` (default 256: rows decoded at once), ``batch_wait_s``
+(0.002), ``cpu_threads`` (``"auto"``, or an int >= 1; only used when the model is on the CPU),
+``batching`` (``"continuous"``, or ``"static"``: one ``generate`` per batch).
 """
 
 from __future__ import annotations
@@ -96,6 +108,8 @@ from typing import Any
 from trellis.config.base import schema_default
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout.base import RolloutReplica, has_items
+from trellis.rollout.hf_continuous import ContinuousDecoder, DecodeStats, Session, supports_continuous
+from trellis.rollout.hf_sampling import RowRule, stop_string_cut, uniform_streams
 from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
 from trellis.utils.settings import setting
 
@@ -186,6 +200,10 @@ class HFRolloutReplica(RolloutReplica):
         ):
             raise ValueError(f'engine_kwargs.cpu_threads must be "auto" or an int >= 1, got {cpu_threads!r}.')
         self.cpu_threads: int | str = cpu_threads
+        batching = kwargs.get("batching", "continuous")
+        if batching not in ("continuous", "static"):
+            raise ValueError(f'engine_kwargs.batching must be "continuous" or "static", got {batching!r}.')
+        self.batching: str = batching
         partial = _setting(rollout_config, RolloutConfig, "partial_rollout")
         if not isinstance(partial, bool):
             raise ValueError(f"rollout.partial_rollout must be true or false, got {partial!r}.")
@@ -193,7 +211,10 @@ class HFRolloutReplica(RolloutReplica):
         self.model: Any = None
         self.tokenizer: Any = None
         self.device: Any = None
-        self.generate_calls = 0  # batched model.generate calls so far (tests and benchmarks read it)
+        self.generate_calls = 0  # batches (generate calls or continuous sessions) so far; tests read it
+        self.decode_stats = DecodeStats()  # continuous sessions' steps, prefills, peak rows (tests read it)
+        self._session: Session | None = None  # the continuous session running, if any
+        self._continuous: bool | None = None  # whether the model can batch continuously (found on first use)
         self._processor: Any = None  # the multimodal processor, loaded for the first request with images
         self._queue: asyncio.Queue[_Request] | None = None
         # interrupted requests (partial rollout): the next batches take them before the queue
@@ -419,9 +440,14 @@ class HFRolloutReplica(RolloutReplica):
             self._resume = collections.deque()
             self._worker = loop.create_task(self._batch_loop())
         req = _Request(prompt_ids, sampling_params, request_id, loop.create_future())
+        session = self._session
         if has_items(multi_modal_data):
             self._vision_processor()  # a text-only model refuses here, before the request queues
             req.multi_modal_data = multi_modal_data
+            if session is not None:
+                session.waiting_outside += 1  # the running session stops admitting, so this one runs soon
+        elif session is not None and session.offer(req):  # joins the running batch at its next step
+            return await req.future
         await self._queue.put(req)
         return await req.future
 
@@ -456,7 +482,14 @@ class HFRolloutReplica(RolloutReplica):
                             batch.append(queue.get_nowait())
                         version = self.weight_version  # read under the lock: the version of these weights
                         batch = await self._with_vision(batch)
-                        outputs = await asyncio.to_thread(self._run_batch, batch, version) if batch else []
+                        if batch and self._batches_continuously(batch):
+                            # results reach the callers as rows end; batch grows with every admitted request
+                            await self._serve_continuously(batch, version, resume)
+                            batch = []
+                        else:
+                            outputs = (
+                                await asyncio.to_thread(self._run_batch, batch, version) if batch else []
+                            )
                 if held_back:  # the update queued for the lock first, so it gets it now
                     await asyncio.sleep(0)  # (yields even if that update waits on another loop's lock)
                     continue
@@ -471,13 +504,78 @@ class HFRolloutReplica(RolloutReplica):
                         req.future.set_exception(exc)
                 continue
             for req, (segment, finished) in zip(batch, outputs, strict=True):
-                if req.future.done():  # the caller gave up (cancelled): nothing to resume
-                    continue
-                if finished:
-                    req.future.set_result(req.finish(segment))
-                else:  # interrupted by a weight update: resumes in the next batch, with the new weights
-                    req.extend(segment)
-                    resume.append(req)
+                _deliver(resume, req, segment, finished)
+
+    def _batches_continuously(self, batch: list[_Request]) -> bool:
+        """Whether ``batch`` runs as a continuous session (``batching="continuous"``, a model that
+        :func:`supports_continuous`, no images or videos) rather than one ``generate`` call."""
+        if self.batching != "continuous" or any(r.vision for r in batch):
+            return False
+        if self._continuous is None:
+            self._continuous = supports_continuous(self.model)
+        return self._continuous
+
+    async def _serve_continuously(
+        self, batch: list[_Request], version: int, resume: collections.deque[_Request]
+    ) -> None:
+        """Run a :class:`ContinuousDecoder` over ``batch`` and the requests that join it, in a worker thread.
+
+        Each row's result is delivered (on this loop) as the row ends. Every admitted request is
+        appended to ``batch``, so a failure reaches each caller still waiting; requests offered but
+        never admitted wait in ``resume`` for the next batch.
+        """
+        loop = asyncio.get_running_loop()
+        session = Session(hold=lambda: self._updates_waiting > 0)
+
+        def deliver(req: _Request, segment: TokenOutput, finished: bool) -> None:
+            loop.call_soon_threadsafe(_deliver, resume, req, segment, finished)
+
+        def run() -> None:
+            decoder = ContinuousDecoder(
+                self.model,
+                self.device,
+                eos=self._eos_ids(),
+                pad=self._pad_id(),
+                generator=self._generator,
+                tokenizer=self.tokenizer,
+                max_rows=self.max_batch_size,
+                version=version,
+                session=session,
+                deliver=deliver,
+                interrupt=self._interrupt if self.partial_rollout else None,
+                admitted=batch,
+                stats=self.decode_stats,
+            )
+            was_training = self.model.training
+            self.model.eval()  # no dropout while generating, whatever mode training left the module in
+            try:
+                with torch.no_grad(), _torch_threads(self._intra_op_threads()):
+                    decoder.run(list(batch))
+            finally:
+                self.model.train(was_training)
+
+        import torch
+
+        self.generate_calls += 1
+        self._session = session
+        queue, later = self._queue, []
+        while queue is not None and not queue.empty():  # queued before the session: they may join it
+            req = queue.get_nowait()
+            if req.multi_modal_data is None:
+                session.offer(req)
+            else:
+                later.append(req)
+        for req in later:  # images wait for a generate batch; admission stops so that one comes soon
+            session.waiting_outside += 1
+            queue.put_nowait(req)  # type: ignore[union-attr]
+        try:
+            await asyncio.to_thread(run)
+        except BaseException:
+            session.stop.set()  # cancelled (shutdown): the thread returns after its current step
+            raise
+        finally:
+            self._session = None
+            resume.extend(session.leftovers())
 
     def _vision_processor(self) -> Any:
         """The model's multimodal processor (loaded from ``model.path`` on first use)."""
@@ -688,7 +786,7 @@ class HFRolloutReplica(RolloutReplica):
                     break
             if p.stop:  # on the whole response: a stop string may span the prefix and this segment
                 prefix = prefixes[i]
-                cut = _stop_string_cut(self.tokenizer, prefix + row[:n], p.stop, start=len(prefix))
+                cut = stop_string_cut(self.tokenizer, prefix + row[:n], p.stop, start=len(prefix))
                 if cut is not None:
                     n, reason = cut - len(prefix), "stop"
             tokens = row[:n]
@@ -696,6 +794,19 @@ class HFRolloutReplica(RolloutReplica):
             finished = not (interrupted and reason == "length" and n < p.max_tokens)
             results.append((TokenOutput(tokens, log_probs, reason, weight_versions=[version] * n), finished))
         return results
+
+
+def _deliver(
+    resume: collections.deque[_Request], req: _Request, segment: TokenOutput, finished: bool
+) -> None:
+    """Hand ``segment`` to ``req``'s caller; an interrupted one (``finished`` False) waits in ``resume``."""
+    if req.future.done():  # the caller gave up (cancelled): nothing to resume
+        return
+    if finished:
+        req.future.set_result(req.finish(segment))
+    else:  # interrupted by a weight update: resumes in the next batch, with the new weights
+        req.extend(segment)
+        resume.append(req)
 
 
 def _aborted(req: _Request) -> TokenOutput:
@@ -741,26 +852,15 @@ def _torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _stop_string_cut(tokenizer: Any, tokens: list[int], stop: tuple[str, ...], start: int = 0) -> int | None:
-    """Number of tokens up to and including the first one whose decoded prefix contains a stop string.
-
-    Only cuts after the first ``start`` tokens are looked at (a resumed response's prefix, already
-    checked).
-    """
-    for n in range(start + 1, len(tokens) + 1):
-        text = tokenizer.decode(tokens[:n], skip_special_tokens=False)
-        if any(s in text for s in stop):
-            return n
-    return None
-
-
 class _RowSampler:
-    """Logits processor: picks each row's next token under that row's params, and records its log-prob.
+    """Logits processor for ``generate``: picks each row's next token with :class:`RowRule` and records
+    its log-prob.
 
     Called once per decoding step with the raw logits ``(batch, vocab)``. Returns scores that are
     0 at the chosen token and -inf elsewhere, so greedy ``generate`` takes exactly the choice
     made here (or the scores unchanged when every row is greedy: ``generate``'s own argmax is
-    then the choice). See the module docstring for the sampling method and the seeds.
+    then the choice). Row ``i``'s ``t``-th token uses column ``t`` of its uniform stream
+    (:func:`uniform_streams`, from ``offsets[i]`` on for a resumed row).
 
     Attributes:
         log_probs: ``(batch, steps)`` float32, column ``t`` filled at step ``t``, or None when no
@@ -778,38 +878,8 @@ class _RowSampler:
         import torch
 
         self.step = 0
-        self.greedy_only = all(p.greedy for p in params)
-        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-        self.temps = (
-            None if all(t == 1.0 for t in temps) else torch.tensor(temps, device=device)[:, None]
-        )  # (batch, 1)
-        greedy = [p.greedy for p in params]
-        self.greedy_rows = torch.tensor(greedy, device=device) if any(greedy) and not all(greedy) else None
-        filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1)]
-        self.filtered_rows = torch.tensor(filtered, dtype=torch.long, device=device) if filtered else None
-        # per filtered row: k (a huge k when top-k is off) and the nucleus mass (inf when top-p is off)
-        self.top_k = torch.tensor(
-            [params[i].top_k if params[i].top_k > 0 else 2**62 for i in filtered], device=device
-        )[:, None]
-        self.top_p = torch.tensor(
-            [params[i].top_p if params[i].top_p < 1 else float("inf") for i in filtered], device=device
-        )[:, None]
-        # One uniform per row and step, drawn now: a seeded row from its own stream, so its t-th
-        # token always uses the t-th number of torch.Generator(seed), whatever the batch. A row
-        # resuming at token offsets[i] (partial rollout) starts at that number of its stream.
-        uniforms = torch.zeros((len(params), steps), dtype=torch.float64)
-        unseeded = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
-        if unseeded:
-            uniforms[unseeded] = torch.rand((len(unseeded), steps), generator=generator, dtype=torch.float64)
-        for i, p in enumerate(params):
-            if not p.greedy and p.seed is not None:
-                offset = offsets[i] if offsets is not None else 0
-                row_generator = torch.Generator(device="cpu").manual_seed(p.seed)
-                stream = torch.rand(offset + steps, generator=row_generator, dtype=torch.float64)
-                uniforms[i] = stream[offset:]
-        # u < 1 - 2**-52 keeps u * total strictly below the total mass in float64 rounding, so the
-        # inverse-CDF search never runs past the last token of positive probability
-        self.uniforms = uniforms.clamp_(max=1 - 2**-52).to(device)
+        self.rule = RowRule(params, device)
+        self.uniforms = uniform_streams(params, generator, steps, offsets).to(device)
         self.log_probs = (
             torch.zeros((len(params), steps), device=device)
             if any(p.wants_logprobs for p in params)
@@ -821,40 +891,12 @@ class _RowSampler:
 
         step = self.step
         self.step += 1
-        logits = scores.float()  # generate hands over float32 already: no copy
-        if self.temps is not None:
-            logits = logits / self.temps
-        lse = torch.logsumexp(logits, -1, keepdim=True)
-        if self.greedy_only:
-            chosen = logits.argmax(-1)
-        else:
-            probs = (logits - lse).exp_()
-            if self.filtered_rows is not None:
-                probs[self.filtered_rows] = self._truncate(probs[self.filtered_rows])
-            # inverse CDF: the first token whose cumulative mass exceeds u * total (float64 sums)
-            cdf = probs.cumsum(-1, dtype=torch.float64)
-            target = self.uniforms[:, step : step + 1] * cdf[:, -1:]
-            chosen = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
-            if self.greedy_rows is not None:
-                chosen = torch.where(self.greedy_rows, logits.argmax(-1), chosen)
+        chosen, log_probs = self.rule.pick(scores, self.uniforms[:, step : step + 1])
         if self.log_probs is not None:  # log_softmax(logits / T)[token], before any truncation
-            self.log_probs[:, step] = (logits.gather(1, chosen[:, None]) - lse)[:, 0]
-        if self.greedy_only:
+            self.log_probs[:, step] = log_probs
+        if self.rule.greedy_only:
             return scores
         return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)
-
-    def _truncate(self, probs: Any) -> Any:
-        """``probs`` of the filtered rows with the tokens outside each row's top-k / top-p zeroed."""
-        import torch
-
-        sorted_probs, order = probs.sort(-1, descending=True)
-        rank = torch.arange(probs.shape[-1], device=probs.device)
-        sorted_probs = sorted_probs.masked_fill(rank >= self.top_k, 0.0)
-        # nucleus: drop a token once the mass kept before it reaches top_p of the top-k mass
-        before = sorted_probs.cumsum(-1) - sorted_probs
-        total = sorted_probs.sum(-1, keepdim=True)
-        sorted_probs = sorted_probs.masked_fill(before >= self.top_p * total, 0.0)
-        return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
 class _RowStopper:

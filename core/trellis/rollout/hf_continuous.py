@@ -1,0 +1,389 @@
+"""Continuous batching for the ``hf`` replica: requests join and leave the running batch between steps.
+
+One :class:`ContinuousDecoder` runs in the replica's worker thread for as long as it has rows to
+decode. Its loop, once per decoding step:
+
+1. **admits** requests waiting in the session's inbox (up to the replica's ``max_batch_size``
+   rows): one prefill forward pass over the newcomers, left-padded, whose KV cache then joins
+   the running one; their first token is sampled from that pass;
+2. **decodes** one token for every running row (one forward pass of the whole batch over its
+   last tokens);
+3. **retires** every row that met its stop id, stop string or ``max_tokens``: its result goes to
+   its caller at once (not when the batch ends) and its KV rows are dropped, so the next step
+   runs a smaller batch.
+
+KV layout. The running batch holds one ``transformers.DynamicCache`` whose rows are left-padded
+to a shared width (every row's last token sits in the last column), with a ``(rows, width)``
+attention mask marking each row's real tokens and explicit position ids per row, so padding
+never shifts a row's positions. A newcomer's cache is padded on the left to the wider of the two
+widths (or the running rows are) and concatenated along the batch; when rows leave, columns
+that are padding in every remaining row are cut from the left. A row's log-probs are those of a
+teacher-forced forward pass of its own tokens (padding is masked out), to float rounding.
+
+Sampling is :class:`~trellis.rollout.hf_sampling.RowRule` with each row's own uniform stream, as
+in the ``generate`` path, so a seeded request gets the same tokens either way; unseeded rows draw
+their stream from the replica's generator when they are admitted.
+
+Which models. Decoder-only models whose cache is plain full attention (``DynamicCache`` of
+``DynamicLayer``); others (sliding-window or linear-attention layers, vision-language models,
+requests with images) keep the one-``generate``-per-batch path (:func:`supports_continuous`).
+
+Admission stops (the running rows finish, the decoder returns, the rest wait) while a weight
+update waits for the replica (``hold()``); with partial rollout the update's interrupt event ends
+the running rows after their current token instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trellis.rollout.hf_sampling import RowRule, uniform_streams
+from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
+
+
+def supports_continuous(model: Any) -> bool:
+    """Whether ``model`` can decode with :class:`ContinuousDecoder`: a decoder-only text model whose
+    ``DynamicCache`` is made of plain full-attention ``DynamicLayer`` layers."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    if getattr(config, "vision_config", None) is not None:  # M-RoPE positions: generate computes them
+        return False
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:  # a config the cache cannot read: stay on generate
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+@dataclass
+class DecodeStats:
+    """Counters a replica keeps across its continuous sessions, updated as each step runs."""
+
+    steps: int = 0  # decoding steps (prefills not counted)
+    prefills: int = 0  # admissions: prefill passes of newcomers
+    peak_rows: int = 0  # most rows decoded at once
+
+
+@dataclass
+class Session:
+    """The meeting point of the event loop (which offers requests) and the decoder thread.
+
+    ``offer`` is called on the event loop thread, ``take`` and ``close_if_idle`` in the decoder's;
+    both hold ``lock``, so a request offered while the decoder closes is either taken or refused
+    (and then queued by the caller), never lost. ``hold`` says whether admission is paused (a weight
+    update or a request the decoder cannot serve waits).
+    """
+
+    hold: Callable[[], bool]
+    inbox: collections.deque = field(default_factory=collections.deque)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)  # shutdown: return after this step
+    open: bool = True
+    waiting_outside: int = 0  # requests queued for a later batch (images): admission stops for them
+
+    def held(self) -> bool:
+        """Whether admission is paused: a weight update or a request the session cannot take waits."""
+        return self.waiting_outside > 0 or self.hold()
+
+    def offer(self, request: Any) -> bool:
+        """Queue ``request`` for admission; False once the session closed (queue it elsewhere)."""
+        with self.lock:
+            if not self.open:
+                return False
+            self.inbox.append(request)
+            return True
+
+    def take(self, n: int) -> list[Any]:
+        with self.lock:
+            return [self.inbox.popleft() for _ in range(min(n, len(self.inbox)))]
+
+    def close_if_idle(self) -> bool:
+        """Close when nothing waits to be admitted, or admission is held (the rest wait elsewhere)."""
+        with self.lock:
+            if self.inbox and not self.held():
+                return False
+            self.open = False
+            return True
+
+    def leftovers(self) -> list[Any]:
+        """Close the session and hand back what it never admitted."""
+        with self.lock:
+            self.open = False
+            items = list(self.inbox)
+            self.inbox.clear()
+            return items
+
+
+@dataclass
+class _Row:
+    """One request in the running batch."""
+
+    request: Any
+    params: SamplingParams  # this segment's (max_tokens less a resumed prefix)
+    stops: set[int]
+    prefix: list[int]  # tokens of earlier segments (stop strings span them)
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+
+    def output(self, reason: StopReason, version: int) -> TokenOutput:
+        n = len(self.tokens)
+        log_probs = self.log_probs if self.params.wants_logprobs else None
+        return TokenOutput(self.tokens, log_probs, reason, weight_versions=[version] * n)
+
+
+class ContinuousDecoder:
+    """Decodes a changing set of rows in one thread; see the module docstring.
+
+    Args:
+        model: the causal LM (in eval mode, under ``torch.no_grad``: the caller's job).
+        device: where its inputs go.
+        eos: the model's eos ids (every row stops at them, besides its own stop ids).
+        pad: the id left padding uses (masked out, its value never matters).
+        generator: the replica's generator (uniforms of unseeded rows).
+        tokenizer: decodes responses for stop strings (None when no request has one).
+        max_rows: most rows decoded at once.
+        version: the weight version stamped on every token.
+        session: the inbox of later requests.
+        deliver: ``deliver(request, segment, finished)``, called from this thread as each row ends
+            (``finished`` False: a weight update interrupted it).
+        interrupt: set while a partial-rollout weight update waits: every row stops after its
+            current token, unfinished.
+        admitted: a list each request taken from the session is appended to (the caller fails them
+            all if the decoder raises).
+        stats: counters to update (a fresh one when None).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        device: Any,
+        *,
+        eos: set[int],
+        pad: int,
+        generator: Any,
+        tokenizer: Any,
+        max_rows: int,
+        version: int,
+        session: Session,
+        deliver: Callable[[Any, TokenOutput, bool], None],
+        interrupt: threading.Event | None = None,
+        admitted: list[Any] | None = None,
+        stats: DecodeStats | None = None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.eos = eos
+        self.pad = pad
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.max_rows = max_rows
+        self.version = version
+        self.session = session
+        self.deliver = deliver
+        self.interrupt = interrupt
+        self.admitted = admitted if admitted is not None else []
+        self.rows: list[_Row] = []
+        self.cache: Any = None  # DynamicCache of the running rows
+        self.mask: Any = None  # (rows, width) long: 1 on real tokens
+        self.positions: Any = None  # (rows,) long: each row's next position id
+        self.last: Any = None  # (rows,) long: each row's last sampled token (the next step's input)
+        self.uniforms: Any = None  # (rows, steps) float64: each row's stream
+        self.rule: RowRule | None = None  # for the rows as they are now (rebuilt when they change)
+        self.stats = stats if stats is not None else DecodeStats()
+        accepted = inspect.signature(type(model).forward).parameters  # the class: wrappers hide it
+        self._keeps_logits = "logits_to_keep" in accepted
+        # transformers 5.x renamed the forward's past_key_values to cache (the old name warns)
+        self._cache_arg = "cache" if "cache" in accepted else "past_key_values"
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, first: list[Any]) -> None:
+        """Decode ``first`` and whatever the session admits, until no row is left to decode."""
+        pending = list(first)
+        while not self.session.stop.is_set():
+            if self.interrupt is not None and self.interrupt.is_set() and self.rows:
+                for row in self.rows:  # partial rollout: resume later under the new weights
+                    self.deliver(row.request, row.output("length", self.version), False)
+                self.rows = []
+                break
+            room = self.max_rows - len(self.rows) - len(pending)
+            if room > 0 and not self.session.held():
+                taken = self.session.take(room)
+                self.admitted.extend(taken)
+                pending += taken
+            if pending:
+                self._admit(pending)
+                pending = []
+            if not self.rows:
+                if self.session.close_if_idle():
+                    break
+                continue
+            self._step()
+
+    def _admit(self, requests: list[Any]) -> None:
+        """Prefill ``requests`` (left-padded together), join their cache to the running one, and sample
+        each one's first token."""
+        import torch
+
+        contexts = [r.prompt_ids + r.prefix_ids for r in requests]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(requests), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ids[i, width - len(c) :] = torch.tensor(c)
+            mask[i, width - len(c) :] = 1
+        positions = (mask.cumsum(1) - 1).clamp_(min=0)
+        kwargs = {"logits_to_keep": 1} if self._keeps_logits else {}
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            use_cache=True,
+            **kwargs,
+        )
+        params = [r.segment_params() for r in requests]
+        rows = [
+            _Row(r, p, self.eos | set(p.stop_token_ids), list(r.prefix_ids))
+            for r, p in zip(requests, params, strict=True)
+        ]
+        streams = uniform_streams(
+            params, self.generator, max(p.max_tokens for p in params), [len(r.prefix_ids) for r in requests]
+        ).to(self.device)
+        first = len(self.rows)
+        self._join(_cache_of(out), mask.to(self.device), streams)
+        self.rows += rows
+        self.positions = torch.cat([self.positions, mask.sum(1).to(self.device)])
+        self.last = torch.cat([self.last, torch.zeros(len(rows), dtype=torch.long, device=self.device)])
+        self.stats.prefills += 1
+        self.stats.peak_rows = max(self.stats.peak_rows, len(self.rows))
+        self._sample(out.logits[:, -1, :], first)
+
+    def _step(self) -> None:
+        """One decoding step of every running row."""
+        import torch
+
+        ones = torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)
+        self.mask = torch.cat([self.mask, ones], dim=1)
+        out = self.model(
+            input_ids=self.last[:, None],
+            attention_mask=self.mask,
+            position_ids=self.positions[:, None],
+            use_cache=True,
+            **{self._cache_arg: self.cache},
+        )
+        self.cache = _cache_of(out)
+        self.positions += 1
+        self.stats.steps += 1
+        self._sample(out.logits[:, -1, :], 0)
+
+    def _sample(self, logits: Any, first: int) -> None:
+        """Sample the next token of rows ``first..`` from their ``logits``; retire the rows that end."""
+        import torch
+
+        rows = self.rows[first:]
+        if first == 0:
+            if self.rule is None:
+                self.rule = RowRule([r.params for r in self.rows], self.device)
+            rule = self.rule
+        else:  # newcomers only
+            rule = RowRule([r.params for r in rows], self.device)
+        counts = torch.tensor([len(r.tokens) for r in rows], device=self.device)
+        uniforms = self.uniforms[first:].gather(1, counts[:, None])
+        chosen, log_probs = rule.pick(logits, uniforms)
+        self.last[first:] = chosen
+        tokens = chosen.tolist()
+        lps = log_probs.tolist() if any(r.params.wants_logprobs for r in rows) else None
+        done: list[int] = []
+        for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+            row.tokens.append(token)
+            if lps is not None:
+                row.log_probs.append(lps[i])
+            reason = self._stop_reason(row, token)
+            if reason is not None:
+                self.deliver(row.request, row.output(reason, self.version), True)
+                done.append(first + i)
+        if done:
+            self._retire(done)
+
+    def _stop_reason(self, row: _Row, token: int) -> StopReason | None:
+        if token in row.stops:
+            return "stop"
+        if row.params.stop:
+            text = self.tokenizer.decode(row.prefix + row.tokens, skip_special_tokens=False)
+            if any(s in text for s in row.params.stop):
+                return "stop"
+        if len(row.tokens) >= row.params.max_tokens:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ the KV rows
+
+    def _join(self, cache: Any, mask: Any, streams: Any) -> None:
+        """Append a prefilled cache (with its mask and uniform streams) to the running rows."""
+        import torch
+        import torch.nn.functional as F
+
+        self.rule = None
+        if not self.rows:
+            self.cache, self.mask, self.uniforms = cache, mask, streams
+            self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
+            self.last = torch.zeros(0, dtype=torch.long, device=self.device)
+            return
+        old, new = self.mask.shape[1], mask.shape[1]
+        width = max(old, new)
+        for layer, joining in zip(self.cache.layers, cache.layers, strict=True):
+            layer.keys = torch.cat([_left_pad(layer.keys, width - old), _left_pad(joining.keys, width - new)])
+            layer.values = torch.cat(
+                [_left_pad(layer.values, width - old), _left_pad(joining.values, width - new)]
+            )
+        self.mask = torch.cat([F.pad(self.mask, (width - old, 0)), F.pad(mask, (width - new, 0))])
+        steps = max(self.uniforms.shape[1], streams.shape[1])
+        self.uniforms = torch.cat(
+            [
+                F.pad(self.uniforms, (0, steps - self.uniforms.shape[1])),
+                F.pad(streams, (0, steps - streams.shape[1])),
+            ]
+        )
+
+    def _retire(self, done: list[int]) -> None:
+        """Drop rows ``done`` from the batch, and the columns left holding only padding."""
+        import torch
+
+        self.rule = None
+        gone = set(done)
+        keep_list = [i for i in range(len(self.rows)) if i not in gone]
+        self.rows = [self.rows[i] for i in keep_list]
+        if not self.rows:
+            self.cache = self.mask = self.uniforms = self.positions = self.last = None
+            return
+        keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
+        self.mask = self.mask[keep]
+        lead = int(self.mask.any(0).int().argmax())  # first column some row still uses
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[keep, :, lead:]
+            layer.values = layer.values[keep, :, lead:]
+        self.mask = self.mask[:, lead:]
+        self.positions = self.positions[keep]
+        self.last = self.last[keep]
+        self.uniforms = self.uniforms[keep]
+
+
+def _cache_of(output: Any) -> Any:
+    """The KV cache a forward pass returned (``cache`` in transformers 5.x, ``past_key_values`` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def _left_pad(x: Any, n: int) -> Any:
+    """``x`` (batch, heads, width, dim) with ``n`` zero columns in front."""
+    import torch.nn.functional as F
+
+    return F.pad(x, (0, 0, n, 0)) if n else x

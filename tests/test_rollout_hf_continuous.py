@@ -1,0 +1,292 @@
+"""Continuous batching in the hf replica: rows join and leave between steps; results equal generate's."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+
+import pytest
+import torch
+
+from trellis.config.schema import ModelConfig, RolloutConfig
+from trellis.rollout import SamplingParams
+from trellis.rollout.hf import HFRolloutReplica
+from trellis.rollout.hf_continuous import supports_continuous
+from trellis.testing.rollout import teacher_forced_log_probs
+
+TEXTS = ["What is 12 + 7?", "Compute 3 * 4 - 5. First", "The quick brown fox", "system You are"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_path):
+    """The tiny model with an eos id outside its vocabulary (responses run to max_tokens), its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = model.config.vocab_size
+    return model, AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def prompts(tok, n):
+    return [tok(TEXTS[i % 4] + " 1" * (i % 5))["input_ids"] for i in range(n)]
+
+
+def run(model, tok, body, **engine_kwargs):
+    async def main():
+        replica = HFRolloutReplica(0, RolloutConfig(seed=0, engine_kwargs=engine_kwargs), ModelConfig())
+        await replica.init("hybrid", model=model, tokenizer=tok)
+        try:
+            return await asyncio.wait_for(body(replica), 30)
+        finally:
+            await replica.shutdown()
+
+    return asyncio.run(main())
+
+
+async def wait_for_steps(replica, steps):
+    while replica.decode_stats.steps < steps:
+        await asyncio.sleep(0.001)
+
+
+def test_tiny_llama_batches_continuously_and_sliding_window_models_do_not():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    small = dict(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1
+    )
+    full = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **small))
+    sliding = Qwen2ForCausalLM(
+        Qwen2Config(
+            num_hidden_layers=2,
+            use_sliding_window=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            **small,
+        )
+    )
+    assert supports_continuous(full) is True
+    assert supports_continuous(sliding) is False
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_long_tail_requests_match_the_generate_path_and_a_teacher_forced_pass(base, params):
+    """Seeded requests of uneven prompts and lengths get the same tokens from a continuous session as
+    from one generate call; their log-probs equal a teacher-forced forward pass to 1e-4 (fp32)."""
+    model, tok = base
+    ps = prompts(tok, 12)
+    lengths = [3, 40, 7, 12, 25, 4, 33, 9, 16, 5, 28, 11]
+
+    async def body(replica):
+        calls = [
+            replica.generate(p, SamplingParams(max_tokens=m, seed=100 + i, logprobs=True, **params), f"r{i}")
+            for i, (p, m) in enumerate(zip(ps, lengths, strict=True))
+        ]
+        return await asyncio.gather(*calls), replica.decode_stats
+
+    continuous, stats = run(model, tok, body, batching="continuous")
+    static, static_stats = run(model, tok, body, batching="static")
+    assert stats.steps == max(lengths) - 1  # the first token of each row comes from its prefill
+    assert static_stats.steps == 0  # batching=static never decodes continuously
+    for p, m, a, b in zip(ps, lengths, continuous, static, strict=True):
+        assert len(a.token_ids) == m and a.stop_reason == "length"
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5, rtol=0)
+        expected = teacher_forced_log_probs(model, p, a.token_ids, params["temperature"])
+        torch.testing.assert_close(torch.tensor(a.log_probs), expected, atol=1e-4, rtol=0)
+
+
+def test_a_request_joins_the_running_batch_and_leaves_before_the_long_one(base):
+    model, tok = base
+    long_prompt, short_prompt = prompts(tok, 2)
+
+    async def body(replica):
+        long = asyncio.ensure_future(
+            replica.generate(long_prompt, SamplingParams(temperature=0, max_tokens=80, logprobs=True), "long")
+        )
+        await wait_for_steps(replica, 5)
+        short = await replica.generate(
+            short_prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=True), "short"
+        )
+        long_done_when_short_returned = long.done()
+        return await long, short, long_done_when_short_returned, replica.generate_calls, replica.decode_stats
+
+    long, short, long_done, calls, stats = run(model, tok, body)
+    assert not long_done  # the short request came back while the long one still ran
+    assert calls == 1 and stats.prefills == 2 and stats.peak_rows == 2
+    assert len(long.token_ids) == 80 and len(short.token_ids) == 4
+    # joining mid-run changed neither row: both equal their teacher-forced greedy continuation
+    for prompt, out in ((long_prompt, long), (short_prompt, short)):
+        expected = teacher_forced_log_probs(model, prompt, out.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.log_probs), expected, atol=1e-4, rtol=0)
+        direct = model.generate(
+            torch.tensor([prompt]), max_new_tokens=len(out.token_ids), do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        assert out.token_ids == direct
+
+
+@pytest.mark.parametrize(("batching", "calls", "prefills"), [("continuous", 1, 2), ("static", 2, 0)])
+def test_a_finished_row_frees_its_slot_for_a_waiting_request(base, batching, calls, prefills):
+    """max_batch_size=2, three requests: continuously, the third starts as soon as the short one ends,
+    in the same session; statically it waits for the whole first batch."""
+    model, tok = base
+    ps = prompts(tok, 3)
+
+    async def body(replica):
+        outs = await asyncio.gather(
+            *(
+                replica.generate(p, SamplingParams(temperature=0, max_tokens=m), f"r{i}")
+                for i, (p, m) in enumerate(zip(ps, [2, 30, 30], strict=True))
+            )
+        )
+        return outs, replica.generate_calls, replica.decode_stats
+
+    outs, n_calls, stats = run(model, tok, body, max_batch_size=2, batching=batching)
+    assert [len(o.token_ids) for o in outs] == [2, 30, 30]
+    assert n_calls == calls and stats.prefills == prefills
+    if batching == "continuous":
+        assert stats.peak_rows == 2  # never more than max_batch_size
+        assert stats.steps == 1 + 29  # the third joined after step 1 and decoded alongside the second
+
+
+def test_a_weight_update_stops_admission_and_the_waiting_request_gets_the_new_weights(base):
+    model, tok = base
+    model = copy.deepcopy(model)
+    p0, p1 = prompts(tok, 2)
+    sp = SamplingParams(temperature=0, max_tokens=30)
+
+    async def body(replica):
+        first = asyncio.ensure_future(replica.generate(p0, sp, "first"))
+        await wait_for_steps(replica, 3)
+        update = asyncio.ensure_future(replica.begin_weight_update())
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(replica.generate(p1, sp, "second"))
+        await update  # returns once the running row finished
+        first_done = first.done()
+        await replica.update_weights(
+            [(name, t * 0) for name, t in model.state_dict().items() if "norm" not in name]
+        )
+        await replica.end_weight_update(7)
+        return await first, await second, first_done
+
+    first, second, first_done = run(model, tok, body)
+    assert first_done and first.weight_versions == [0] * 30
+    assert second.weight_versions == [7] * 30
+    assert len(set(second.token_ids)) == 1  # zero weights: uniform logits, greedy takes token 0 each step
+
+
+def test_shutdown_aborts_the_running_rows_and_stops_the_thread(base):
+    model, tok = base
+    p0, p1 = prompts(tok, 2)
+
+    async def main():
+        replica = HFRolloutReplica(0, RolloutConfig(seed=0), ModelConfig())
+        await replica.init("hybrid", model=model, tokenizer=tok)
+        a = asyncio.ensure_future(replica.generate(p0, SamplingParams(max_tokens=100_000), "a"))
+        await wait_for_steps(replica, 3)
+        b = asyncio.ensure_future(replica.generate(p1, SamplingParams(max_tokens=100_000), "b"))
+        await wait_for_steps(replica, 6)
+        await replica.shutdown()
+        outs = await asyncio.wait_for(asyncio.gather(a, b), 5)
+        steps = replica.decode_stats.steps
+        await asyncio.sleep(0.2)
+        return outs, steps, replica.decode_stats.steps
+
+    outs, steps, later = asyncio.run(main())
+    assert [o.stop_reason for o in outs] == ["abort", "abort"] and all(o.token_ids == [] for o in outs)
+    assert later <= steps + 1  # the decoder thread stopped after at most its current step
+
+
+def test_a_failing_forward_reaches_every_waiting_caller_and_the_replica_recovers(base):
+    model, tok = base
+    model = copy.deepcopy(model)
+    ps = prompts(tok, 3)
+    real = model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected forward failure")
+        return real(*args, **kwargs)
+
+    model.forward = flaky
+
+    async def body(replica):
+        outs = await asyncio.gather(
+            *(replica.generate(p, SamplingParams(max_tokens=10), f"r{i}") for i, p in enumerate(ps)),
+            return_exceptions=True,
+        )
+        again = await replica.generate(ps[0], SamplingParams(max_tokens=5), "again")
+        return outs, again
+
+    outs, again = run(model, tok, body)
+    assert all(isinstance(o, RuntimeError) and "injected forward failure" in str(o) for o in outs)
+    assert len(again.token_ids) == 5
+
+
+def test_stop_strings_and_stop_ids_end_each_row_on_its_own(base):
+    model, tok = base
+    ps = prompts(tok, 4)
+
+    async def body(replica):
+        free = await asyncio.gather(
+            *(
+                replica.generate(p, SamplingParams(temperature=0, max_tokens=20), f"f{i}")
+                for i, p in enumerate(ps)
+            )
+        )
+        stop_id = free[0].token_ids[5]
+        text = tok.decode(free[1].token_ids[:8], skip_special_tokens=False)
+        stop_string = text[-3:]
+        outs = await asyncio.gather(
+            replica.generate(
+                ps[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]), "a"
+            ),
+            replica.generate(ps[1], SamplingParams(temperature=0, max_tokens=20, stop=[stop_string]), "b"),
+            replica.generate(ps[2], SamplingParams(temperature=0, max_tokens=20), "c"),
+        )
+        return free, stop_id, stop_string, outs
+
+    free, stop_id, stop_string, (a, b, c) = run(model, tok, body)
+    cut = free[0].token_ids.index(stop_id) + 1
+    assert a.token_ids == free[0].token_ids[:cut] and a.stop_reason == "stop"
+    assert stop_string in tok.decode(b.token_ids, skip_special_tokens=False) and b.stop_reason == "stop"
+    assert stop_string not in tok.decode(b.token_ids[:-1], skip_special_tokens=False)
+    assert b.token_ids == free[1].token_ids[: len(b.token_ids)]
+    assert c.token_ids == free[2].token_ids and c.stop_reason == "length"
+
+
+def test_batching_must_be_continuous_or_static():
+    with pytest.raises(
+        ValueError, match=r'engine_kwargs.batching must be "continuous" or "static", got .paged.'
+    ):
+        HFRolloutReplica(0, RolloutConfig(engine_kwargs={"batching": "paged"}), ModelConfig())
+
+
+def test_many_staggered_requests_all_resolve_with_their_own_lengths(base):
+    """64 requests arriving over time with long-tail lengths: each gets exactly its max_tokens."""
+    model, tok = base
+    rng = random.Random(0)
+    lengths = [int(4 * 16 ** (rng.random() ** 3)) for _ in range(64)]
+    ps = prompts(tok, 64)
+
+    async def body(replica):
+        tasks = []
+        for i, (p, m) in enumerate(zip(ps, lengths, strict=True)):
+            tasks.append(asyncio.ensure_future(replica.generate(p, SamplingParams(max_tokens=m), f"r{i}")))
+            if i % 8 == 7:
+                await asyncio.sleep(0.003)
+        return await asyncio.gather(*tasks), replica.decode_stats
+
+    outs, stats = run(model, tok, body, max_batch_size=16)
+    assert [len(o.token_ids) for o in outs] == lengths
+    assert stats.peak_rows <= 16 and stats.prefills >= 4
