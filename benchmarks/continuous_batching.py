@@ -10,7 +10,8 @@ Three sides generate the same requests:
 
 - padded generate (the baseline): one left-padded ``model.generate(do_sample=True)`` over every
   prompt with ``max_new_tokens`` = the longest request's, as a caller without per-row limits must;
-  only each row's tokens up to its own ``max_tokens`` (or its eos) count;
+  only each row's tokens up to its own ``max_tokens`` (or its eos) count; it runs with the intra-op
+  threads the replica would use (one for models under ``AUTO_SINGLE_THREAD_PARAMS``, else torch's);
 - replica, static: ``HFRolloutReplica`` with ``engine_kwargs.batching="static"`` (one ``generate``
   per batch, per-row stopping, log-probs on);
 - replica, continuous: the default ``batching="continuous"``: rows leave the batch as they finish
@@ -41,7 +42,7 @@ from _common import smollm2_or_note  # benchmarks/_common.py: the script's own f
 
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout import SamplingParams
-from trellis.rollout.hf import HFRolloutReplica
+from trellis.rollout.hf import AUTO_SINGLE_THREAD_PARAMS, HFRolloutReplica, _torch_threads
 
 TEXTS = ["What is 12 + 7?", "Compute 3 * 4 - 5. First", "The quick brown fox jumps", "system You are a"]
 
@@ -75,8 +76,10 @@ def time_padded(model, tokenizer, prompts, lengths, repeats) -> tuple[float, int
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or [tokenizer.eos_token_id])
 
+    threads = 1 if sum(p.numel() for p in model.parameters()) < AUTO_SINGLE_THREAD_PARAMS else None
+
     def once() -> int:
-        with torch.no_grad():
+        with torch.no_grad(), _torch_threads(threads):
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max(lengths), pad_token_id=pad,
                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
