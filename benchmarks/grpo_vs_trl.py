@@ -42,9 +42,21 @@ each Trellis stage and of TRL's ``model.generate``, and, as a cross-check of the
 wall time from one step's end to the next (Trellis' ``trellis_step_end`` hook, TRL's
 ``on_step_end``), which also counts data loading and the rest of each loop.
 
+Against the machine's limit (``benchmarks/_roofline.py``; the peak and the bandwidth are measured
+by this script's own process before the sides run, at ``--threads``, so never while a side
+runs): model FLOP/s of Trellis' ``update_actor`` (forward + backward + optimizer step) and of
+TRL's step less its ``model.generate`` (its update, plus scoring) as a fraction of the fp32
+``torch.mm`` peak, counting ``(6N + 12 L d T)`` FLOPs for each prompt and response token
+trained (``N`` the matmul parameters, ``T`` the mean prompt + response length); Trellis'
+``old_log_prob`` the same with the forward's ``2N + 4 L d T``; and each side's generation as
+generated tokens / generation seconds (prefill and sampling included) against the decode
+roofline at batch ``--prompts`` x ``--group``, ``min(batch * bandwidth / weight bytes, peak / 2N)``.
+Trellis' ``hf`` replica generates the tiny model with one thread whatever ``--threads`` says.
+
 Models: the tiny test model (built into a temporary folder) and SmolLM2-135M-Instruct when
 ``trellis.utils.demo_model.smollm2_path()`` can provide it (skipped with a note otherwise).
-Needs ``trl`` (with its ``accelerate`` and ``datasets``); skipped with a note when it is missing.
+Needs ``trl`` (with its ``accelerate`` and ``datasets``) for the TRL side; without it the Trellis side
+runs alone, with a note, and its columns are printed with the TRL ones left blank.
 Target: Trellis <= 1.0x TRL seconds per step on both models. A measurement, never a pass/fail test.
 """
 
@@ -62,8 +74,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from _common import smollm2_or_note  # benchmarks/_common.py: the script's own folder
+from _roofline import (
+    GIGA,
+    Limits,
+    ModelShape,
+    decode_roofline,
+    folder_shape,
+    forward_flops,
+    machine_limits,
+    training_flops,
+    utilisation_line,
+)
 
 RESULT_TAG = "GRPO_VS_TRL_RESULT "
 LR, WEIGHT_DECAY, BETAS, GRAD_CLIP, SEED = 1e-6, 0.01, (0.9, 0.999), 1.0, 1
@@ -161,6 +185,7 @@ def run_trellis(args: argparse.Namespace, model: str, tmp: str) -> dict:
         "seconds": [m["timing/step"] for m in result.history],
         "intervals": [b - a for a, b in itertools.pairwise(ends.times)],
         "tokens": [m["response_length/mean"] * responses for m in result.history],
+        "update_tokens": [m["perf/total_tokens"] for m in result.history],  # prompt + response, unpadded
         "stages": {s: [m.get(f"timing/{s}", 0.0) for m in result.history] for s in TRELLIS_STAGES},
     }
 
@@ -174,9 +199,18 @@ def run_trl(args: argparse.Namespace, model_path: str, tmp: str) -> dict:
     rows = questions(args.prompts * (args.warmup + args.steps + 1))
     dataset = Dataset.from_list([{"prompt": messages, "answer": answer} for messages, answer in rows])
     tokens: list[int] = []
+    update_tokens: list[int] = []  # prompt + completion tokens of each generation batch
+    prompt_lengths: dict[str, int] = {}
+
+    def prompt_length(messages: list[dict[str, str]]) -> int:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if text not in prompt_lengths:
+            prompt_lengths[text] = len(tokenizer(text, add_special_tokens=False).input_ids)
+        return prompt_lengths[text]
 
     def reward(prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
         tokens.append(sum(len(ids) for ids in completion_ids))
+        update_tokens.append(tokens[-1] + sum(prompt_length(p) for p in prompts))
         return [score(c[-1]["content"], a) for c, a in zip(completions, answer, strict=True)]
 
     class StepTimer(TrainerCallback):
@@ -258,6 +292,7 @@ def run_trl(args: argparse.Namespace, model_path: str, tmp: str) -> dict:
         "seconds": timer.seconds,
         "intervals": [b - a for a, b in itertools.pairwise(timer.ends)],
         "tokens": tokens,
+        "update_tokens": update_tokens,
         "stages": {"generate": generate_seconds},
     }
 
@@ -290,19 +325,21 @@ def side(args: argparse.Namespace, name: str, model: str, steps: int) -> dict:
     out = json.loads(lines[-1][len(RESULT_TAG) :])
     w = args.warmup
     out["intervals"] = out["intervals"][max(w - 1, 0) :]  # intervals[i] ends at step i + 2
-    for key in ("seconds", "tokens"):
+    for key in ("seconds", "tokens", "update_tokens"):
         out[key] = out[key][w:]
     out["stages"] = {stage: values[w:] for stage, values in out["stages"].items()}
     return out
 
 
-def bench(label: str, model: str, args: argparse.Namespace, steps: int) -> dict[str, dict]:
-    """Both sides on ``model``, ``args.rounds`` times in alternating order; per-step lists merged."""
-    runs: dict[str, dict] = {"trellis": {"stages": {}}, "trl": {"stages": {}}}
+def bench(
+    label: str, model: str, args: argparse.Namespace, steps: int, sides: tuple[str, ...]
+) -> dict[str, dict]:
+    """``sides`` on ``model``, ``args.rounds`` times in alternating order; per-step lists merged."""
+    runs: dict[str, dict] = {name: {"stages": {}} for name in sides}
     for r in range(args.rounds):
-        for name in ("trellis", "trl") if r % 2 == 0 else ("trl", "trellis"):
+        for name in sides if r % 2 == 0 else sides[::-1]:
             out, merged = side(args, name, model, steps), runs[name]
-            for key in ("seconds", "intervals", "tokens"):
+            for key in ("seconds", "intervals", "tokens", "update_tokens"):
                 merged.setdefault(key, []).extend(out[key])
             for stage, values in out["stages"].items():
                 merged["stages"].setdefault(stage, []).extend(values)
@@ -312,9 +349,12 @@ def bench(label: str, model: str, args: argparse.Namespace, steps: int) -> dict[
     return runs
 
 
-def report(results: list[tuple[str, int, dict[str, dict]]], args: argparse.Namespace) -> None:
+Result = tuple[str, int, dict[str, dict], ModelShape]  # (label, timed steps, per-side runs, model shape)
+
+
+def report(results: list[Result], args: argparse.Namespace, limits: Limits) -> None:
     med = statistics.median
-    threads = sorted({runs[name]["threads"] for _, _, runs in results for name in runs})
+    threads = sorted({runs[name]["threads"] for _, _, runs, _ in results for name in runs})
     print(
         f"\nGRPO, {args.prompts} prompts x {args.group} responses per step, <= {args.max_tokens} new tokens, "
         f"micro-batch {args.micro}, fp32, {'/'.join(map(str, threads))} torch thread(s); medians over the "
@@ -324,22 +364,29 @@ def report(results: list[tuple[str, int, dict[str, dict]]], args: argparse.Names
         f"{'model':<14} {'steps':>5} {'Trellis s/step':>14} {'TRL s/step':>11} {'ratio':>7} "
         f"{'Trellis tok/step':>16} {'TRL tok/step':>12} {'ratio s/token':>13}"
     )
-    for label, steps, runs in results:
-        ours, theirs = runs["trellis"], runs["trl"]
-        s_ours, s_theirs = med(ours["seconds"]), med(theirs["seconds"])
-        t_ours, t_theirs = statistics.mean(ours["tokens"]), statistics.mean(theirs["tokens"])
-        per_token = (s_ours / t_ours) / (s_theirs / t_theirs)
-        ratio = s_ours / s_theirs
-        print(
-            f"{label:<14} {steps * args.rounds:>5} {s_ours:>14.3f} {s_theirs:>11.3f} {ratio:>6.2f}x "
-            f"{t_ours:>16.0f} {t_theirs:>12.0f} {per_token:>12.2f}x"
-        )
+    for label, steps, runs, _ in results:
+        ours = runs["trellis"]
+        s_ours, t_ours = med(ours["seconds"]), statistics.mean(ours["tokens"])
+        if "trl" in runs:
+            theirs = runs["trl"]
+            s_theirs, t_theirs = med(theirs["seconds"]), statistics.mean(theirs["tokens"])
+            per_token = (s_ours / t_ours) / (s_theirs / t_theirs)
+            cells = (
+                f"{s_theirs:>11.3f} {s_ours / s_theirs:>6.2f}x {t_ours:>16.0f} {t_theirs:>12.0f} "
+                f"{per_token:>12.2f}x"
+            )
+        else:
+            cells = f"{'-':>11} {'-':>7} {t_ours:>16.0f} {'-':>12} {'-':>13}"
+        print(f"{label:<14} {steps * args.rounds:>5} {s_ours:>14.3f} {cells}")
     print("\nWhere the time goes (median seconds per step):")
-    for label, _, runs in results:
-        ours, theirs = runs["trellis"], runs["trl"]
+    for label, _, runs, _ in results:
+        ours = runs["trellis"]
         parts = "  ".join(f"{stage} {med(values):.3f}" for stage, values in ours["stages"].items())
-        generate = med(theirs["stages"]["generate"])
         print(f"  {label:<14} Trellis: {parts}")
+        if "trl" not in runs:
+            continue
+        theirs = runs["trl"]
+        generate = med(theirs["stages"]["generate"])
         print(
             f"  {label:<14} TRL:     model.generate {generate:.3f}  "
             f"everything else {med(theirs['seconds']) - generate:.3f}"
@@ -347,6 +394,54 @@ def report(results: list[tuple[str, int, dict[str, dict]]], args: argparse.Names
         if ours["intervals"] and theirs["intervals"]:
             a, b = med(ours["intervals"]), med(theirs["intervals"])
             print(f"  {label:<14} step end to step end: Trellis {a:.3f}  TRL {b:.3f}  ratio {a / b:.2f}x")
+    batch = args.prompts * args.group
+    print(
+        f"\nAgainst the machine's limit at {limits.threads} thread(s), measured in this run: fp32 matmul "
+        f"peak {limits.fp32_flops / GIGA:.1f} GFLOP/s, bandwidth {limits.bandwidth / GIGA:.1f} GB/s. Update: "
+        f"(prompt + response tokens) x (6N + 12 L d T) FLOPs; forward: 2N + 4 L d T; generate: "
+        f"generated tokens/s against min(batch x bandwidth / weight bytes, peak / 2N) at batch {batch} "
+        f"(medians over the timed steps)"
+    )
+    for label, _, runs, shape in results:
+        bound, kind = decode_roofline(shape, batch, limits)
+        peak = limits.peak(shape.dtype)
+        for name, run in runs.items():
+            update_seconds = (
+                run["stages"]["update_actor"]
+                if name == "trellis"
+                else [s - g for s, g in zip(run["seconds"], run["stages"]["generate"], strict=False)]
+            )
+            lines = [
+                utilisation_line(
+                    "update_actor" if name == "trellis" else "step less model.generate (update, scoring)",
+                    med(flop_rates(shape, run["update_tokens"], update_seconds, batch, training_flops)),
+                    peak,
+                    "GFLOP/s",
+                )
+            ]
+            if name == "trellis":
+                rates = flop_rates(
+                    shape, run["update_tokens"], run["stages"]["old_log_prob"], batch, forward_flops
+                )
+                if rates:  # none when Trellis skips the stage (one update per batch: current log-probs)
+                    lines.append(utilisation_line("old_log_prob", med(rates), peak, "GFLOP/s"))
+            decode = [t / g for t, g in zip(run["tokens"], run["stages"]["generate"], strict=False) if g > 0]
+            generate = "generate" if name == "trellis" else "model.generate"
+            lines.append(utilisation_line(f"{generate} ({kind}-bound)", med(decode), bound, "tok/s"))
+            side_name = "Trellis:" if name == "trellis" else "TRL:"
+            for line in lines:
+                print(f"  {label:<14} {side_name:<8} {line}")
+
+
+def flop_rates(
+    shape: ModelShape,
+    tokens: list[float],
+    seconds: list[float],
+    batch: int,
+    count: Callable[[ModelShape, float, float], float],
+) -> list[float]:
+    """Per step, ``count(shape, tokens, T) / seconds`` FLOP/s, with ``T = tokens / batch`` the mean length."""
+    return [count(shape, t, t / batch) / s for t, s in zip(tokens, seconds, strict=False) if s > 0]
 
 
 def main() -> None:
@@ -374,23 +469,26 @@ def main() -> None:
         return
     if (args.prompts * args.group) % args.micro:
         parser.error(f"--micro {args.micro} must divide --prompts x --group = {args.prompts * args.group}.")
+    sides: tuple[str, ...] = ("trellis", "trl")
     missing = [name for name in ("trl", "accelerate", "datasets") if importlib.util.find_spec(name) is None]
     if missing:
-        print(f"grpo_vs_trl skipped: {', '.join(missing)} not installed (pip install trl).")
-        return
+        print(f"TRL side skipped: {', '.join(missing)} not installed (pip install trl); Trellis runs alone.")
+        sides = ("trellis",)
 
     from trellis.recipes.tiny import save_tiny_model
 
-    results = []
+    # Measured here, before the sides run one after the other, so it never shares the cores with one.
+    print(f"  measuring the machine's limit at {args.threads} thread(s) ...", file=sys.stderr, flush=True)
+    limits = machine_limits(args.threads)
+    results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny = save_tiny_model(os.path.join(tmp, "tiny"))
-        results.append(("tiny", args.steps, bench("tiny", tiny, args, args.steps)))
+        results.append(("tiny", args.steps, bench("tiny", tiny, args, args.steps, sides), folder_shape(tiny)))
     path, note = smollm2_or_note(args.no_smollm2)
     if path is not None:
-        results.append(
-            ("SmolLM2-135M", args.smollm2_steps, bench("SmolLM2-135M", path, args, args.smollm2_steps))
-        )
-    report(results, args)
+        runs = bench("SmolLM2-135M", path, args, args.smollm2_steps, sides)
+        results.append(("SmolLM2-135M", args.smollm2_steps, runs, folder_shape(path)))
+    report(results, args, limits)
     if note:
         print(note)
 

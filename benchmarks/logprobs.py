@@ -24,8 +24,13 @@ upstream gradient that exist before it (the same on both sides), measured two wa
   OS sees; includes the allocator's page-granular and heap effects. Taken on the first call.
 
 Time is the median wall time of ``--repeats`` calls after the two measurement calls (which
-also warm up), with torch's default threads. Targets: peak memory <= 35% of naive, time <= 1.3x
-naive. This is a measurement, never a pass/fail test.
+also warm up), with torch's default threads. None of these ops is a matmul, so the limit is the
+memory bandwidth (``benchmarks/_roofline.py``, measured by this script's own process after the
+sides, at the sides' thread count): a call must read the logits twice (forward; backward) and
+write their gradient once, so ``GB/s`` is ``3 x logits bytes / seconds`` and ``% bw`` its
+fraction of the bandwidth (a call that moves more bytes than that minimum shows as a lower %).
+Targets: peak memory <= 35% of naive, time <= 1.3x naive. This is a measurement, never a
+pass/fail test.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from _roofline import GIGA, memory_bandwidth  # benchmarks/_roofline.py: the script's own folder
 
 MIB = 2**20
 MEMORY_TARGET, TIME_TARGET = 0.35, 1.3
@@ -155,6 +162,7 @@ def main() -> None:
         results[side] = json.loads(done.stdout.strip().splitlines()[-1])
 
     first = results["naive-logprobs"]
+    bandwidth = memory_bandwidth(first["threads"])  # after the sides: it never shares the cores with one
     print(
         f"log-probs / entropy of ({args.bs}, {args.seq}, {args.vocab}) {args.dtype} logits "
         f"({first['logits'] / MIB:.0f} MiB), forward + backward; median of {args.repeats} calls "
@@ -163,8 +171,12 @@ def main() -> None:
     )
     print("peak = additional memory of one call beyond the logits: alloc = torch CPU allocator")
     print("events (torch.profiler), rss = growth of peak RSS; ratios are chunked / naive.")
+    print(
+        f"GB/s = 3 x logits bytes (read twice, gradient written once) / median s; % bw of the "
+        f"{bandwidth / GIGA:.1f} GB/s measured here (best of a sum and a copy over 512 MiB)."
+    )
     header = (
-        f"{'case':10} {'side':28} {'median s':>9} {'alloc MiB':>10} {'rss MiB':>9} "
+        f"{'case':10} {'side':28} {'median s':>9} {'GB/s':>6} {'% bw':>5} {'alloc MiB':>10} {'rss MiB':>9} "
         f"{'x logits':>9} {'time':>6} {'alloc':>6} {'rss':>6}  target"
     )
     print(header)
@@ -178,8 +190,11 @@ def main() -> None:
             time_ok = "met" if time_ratio <= TIME_TARGET else "MISSED"
             memory_ok = "met" if max(alloc_ratio, rss_ratio) <= MEMORY_TARGET else "MISSED"
             note = f"time <= {TIME_TARGET}x: {time_ok}; memory <= {MEMORY_TARGET:.0%}: {memory_ok}"
+        moved = 3 * result["logits"] / result["seconds"]
         print(
-            f"{kind:10} {label:28} {result['seconds']:9.3f} {result['alloc'] / MIB:10.0f} "
+            f"{kind:10} {label:28} {result['seconds']:9.3f} "
+            f"{moved / GIGA:6.1f} {100 * moved / bandwidth:4.0f}% "
+            f"{result['alloc'] / MIB:10.0f} "
             f"{result['rss'] / MIB:9.0f} {result['alloc'] / result['logits']:9.2f} "
             f"{time_ratio:6.2f} {alloc_ratio:6.2f} {rss_ratio:6.2f}  {note}"
         )
