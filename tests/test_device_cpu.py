@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trellis.device import DeviceError
-from trellis.device.cpu import CPUBackend, CPUEvent, CPUStream, CPUTorchModule
+from trellis.device.cpu import CPUBackend, CPUEvent, CPUStream, CPUTorchModule, native_bf16
 
 
 def proc_kib(path, field):
@@ -189,3 +189,18 @@ def test_the_cpu_backend_does_not_import_torch(python):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True True True False"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "native"),
+    [
+        ("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n", False),  # AVX-512 without BF16
+        ("flags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n", True),
+        ("flags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n", True),
+        ("Features\t: fp asimd sve bf16 i8mm\n", True),  # Arm
+        ("Features\t: fp asimd\n", False),
+        ("", False),
+    ],
+)
+def test_native_bf16_reads_the_cpus_flags(cpuinfo, native):
+    assert native_bf16(cpuinfo) is native

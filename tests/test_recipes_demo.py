@@ -37,6 +37,12 @@ def test_preset_loads_into_a_valid_config(demo_cache, tiny_model_path):
     assert rows == [p.row() for p in make_problems()[1]]
 
 
+@pytest.mark.parametrize(("native", "dtype"), [(True, "bfloat16"), (False, "float32")])
+def test_demo_trains_in_bf16_only_where_the_cpu_computes_it_natively(demo_cache, monkeypatch, native, dtype):
+    monkeypatch.setattr("trellis.recipes.presets.native_bf16", lambda: native)
+    assert load_config(None, preset_overrides("demo")).model.dtype == dtype
+
+
 def test_heldout_accuracy_reads_the_first_and_last_validation():
     validation = [(0, {"val/pass@1": 0.2}), (5, {"val/pass@1": 0.3}), (10, {"val/pass@1": 0.45})]
     assert heldout_accuracy(validation) == (0.2, 0.45)

@@ -25,7 +25,31 @@ from typing import Any, cast
 from trellis.device.base import DeviceBackend, DeviceError, DeviceEvent, DeviceStream
 from trellis.utils.memory import peak_rss_bytes, physical_memory_bytes, reset_peak_rss, rss_bytes
 
-__all__ = ["CPUBackend", "CPUEvent", "CPUStream", "CPUTorchModule"]
+__all__ = ["CPUBackend", "CPUEvent", "CPUStream", "CPUTorchModule", "native_bf16"]
+
+# /proc/cpuinfo flags of CPUs that compute bf16 matrix products in hardware: x86 AVX512-BF16 and
+# AMX (flags line), Arm's BF16 extension (Features line)
+_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+
+
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 matrix products natively (AVX512-BF16, AMX or Arm BF16).
+
+    Without them torch emulates bf16 matmuls, several times slower than fp32 (about 6x measured on
+    an AVX-512 Xeon without AVX512-BF16), so bf16 only pays where this is True. Reads
+    ``/proc/cpuinfo`` (or ``cpuinfo``, the text of one); False where it cannot be read.
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features") and _BF16_FLAGS & set(value.split()):
+            return True
+    return False
 
 
 class CPUEvent(DeviceEvent):
