@@ -313,3 +313,47 @@ def _installed(distribution: str) -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+def test_start_up_gc_collects_rarely_until_the_run_starts_then_freezes_what_survived():
+    import gc
+
+    from trellis.cli import START_UP_GC_THRESHOLDS, _start_up_gc
+    from trellis.hooks import get_plugin_manager
+
+    before, plugins = gc.get_threshold(), len(get_plugin_manager().get_plugins())
+    assert gc.get_freeze_count() == 0
+    with _start_up_gc():
+        assert gc.get_threshold() == START_UP_GC_THRESHOLDS
+        assert gc.get_freeze_count() == 0
+        get_plugin_manager().hook.trellis_train_start(config=None, run_dir="unused")  # what fit calls
+        assert gc.get_threshold() == before
+        assert gc.get_freeze_count() > 0  # the start-up heap: later collections skip it
+    # as before for whoever goes on in this process
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert len(get_plugin_manager().get_plugins()) == plugins
+
+
+def test_start_up_gc_is_undone_when_the_run_fails_before_its_first_step():
+    import gc
+
+    from trellis.cli import _start_up_gc
+
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError, match="no data"), _start_up_gc():
+        raise RuntimeError("no data")
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_the_heap_is_frozen_at_exit_only(python):
+    # main() registers gc.freeze last: it runs before the exit handlers registered earlier, such as
+    # this one, and the interpreter's last collections skip the heap; main itself leaves gc alone.
+    done = python(
+        "import atexit, gc\n"
+        "from trellis.cli import main\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0))\n"
+        "main(['plugins', 'list', '--json'])\n"
+        "print('frozen after main:', gc.get_freeze_count() > 0)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-2:] == ["frozen after main: False", "frozen at exit: True"]

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import os
+
+import pytest
 import torch
 
 import trellis.recipes.tiny
 import trellis.testing.tiny
-from trellis.recipes.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer
+from trellis.recipes.tiny import (
+    MANIFEST,
+    SPECIAL_TOKENS,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    cached_tiny_model,
+)
 
 
 def test_tokenizer_round_trips_any_text_and_has_chatml():
@@ -50,3 +60,64 @@ def test_testing_tiny_re_exports_the_recipes_module():
     assert sorted(trellis.testing.tiny.__all__) == names
     for name in names:
         assert getattr(trellis.testing.tiny, name) is getattr(trellis.recipes.tiny, name)
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """The folders :func:`cached_tiny_model` built (through save_tiny_model) while the test ran."""
+    built = []
+    save = trellis.recipes.tiny.save_tiny_model
+
+    def counting(path, **kwargs):
+        built.append(path)
+        return save(path, **kwargs)
+
+    monkeypatch.setattr(trellis.recipes.tiny, "save_tiny_model", counting)
+    return built
+
+
+def test_cached_tiny_model_is_built_once_then_reused(tmp_path, builds, tiny_model_path):
+    folder = cached_tiny_model(tmp_path)
+    assert cached_tiny_model(tmp_path) == folder and len(builds) == 1
+    assert os.listdir(tmp_path) == [os.path.basename(folder)]  # no temporary folder left behind
+    # what save_tiny_model writes, file for file, plus the manifest of their SHA-256
+    names = sorted(os.listdir(tiny_model_path))
+    assert sorted(os.listdir(folder)) == sorted([*names, MANIFEST])
+    for name in names:
+        with (
+            open(os.path.join(folder, name), "rb") as a,
+            open(os.path.join(tiny_model_path, name), "rb") as b,
+        ):
+            assert a.read() == b.read(), name
+    with open(os.path.join(folder, MANIFEST)) as f:
+        assert sorted(json.load(f)) == names
+
+
+def test_cached_tiny_model_keys_on_its_recipe(tmp_path, builds):
+    default = cached_tiny_model(tmp_path)
+    other = cached_tiny_model(tmp_path, seed=1)
+    wider = cached_tiny_model(tmp_path, intermediate_size=256)
+    assert len({default, other, wider}) == 3 and len(builds) == 3
+    assert cached_tiny_model(tmp_path, seed=1) == other and len(builds) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "missing manifest", "extra file", "bad manifest"])
+def test_a_damaged_cached_tiny_model_is_built_again(tmp_path, builds, damage):
+    folder = cached_tiny_model(tmp_path)
+    weights = os.path.join(folder, "model.safetensors")
+    with open(weights, "rb") as f:
+        intact = f.read()
+    if damage == "truncated weights":
+        with open(weights, "wb") as f:
+            f.write(intact[:1000])
+    elif damage == "missing manifest":
+        os.remove(os.path.join(folder, MANIFEST))
+    elif damage == "extra file":
+        open(os.path.join(folder, "stray.bin"), "wb").close()
+    else:
+        with open(os.path.join(folder, MANIFEST), "w") as f:
+            f.write("[not a manifest")
+    assert cached_tiny_model(tmp_path) == folder and len(builds) == 2
+    with open(weights, "rb") as f:
+        assert f.read() == intact
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(folder)]

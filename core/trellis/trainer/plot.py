@@ -16,12 +16,14 @@ def plot_reward_curve(
     val_points = [(s, v) for s, v in val if v is not None]
     if not train_points and not val_points:
         return None
-    import matplotlib
+    # A figure on its own Agg canvas, not pyplot: nothing global changes (the process's backend, pyplot's
+    # list of open figures), and pyplot's import is skipped (~0.15 s of the start-up budget).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # no display needed
-    from matplotlib import pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     if train_points:
         steps, values = zip(*train_points, strict=True)
         ax.plot(steps, values, label="train reward (mean)", color="tab:blue")
@@ -40,5 +42,4 @@ def plot_reward_curve(
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path
