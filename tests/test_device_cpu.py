@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -10,6 +11,7 @@ import torch
 
 from trellis.device import DeviceError
 from trellis.device.cpu import CPUBackend, CPUEvent, CPUStream, CPUTorchModule, native_bf16
+from trellis.utils.memory import trim_malloc_heaps
 
 
 def proc_kib(path, field):
@@ -204,3 +206,33 @@ def test_the_cpu_backend_does_not_import_torch(python):
 )
 def test_native_bf16_reads_the_cpus_flags(cpuinfo, native):
     assert native_bf16(cpuinfo) is native
+
+
+GLIBC_TRIM = """
+import ctypes, sys
+from trellis.device.cpu import CPUBackend
+from trellis.utils.memory import rss_bytes
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = 64 * 1024  # under malloc's mmap threshold: served from its heap
+blocks = [libc.malloc(size) for _ in range(4096)]  # 256 MiB
+for block in blocks:
+    ctypes.memset(block, 1, size)  # touched, so resident
+for block in blocks[:-1]:  # the last one pins the heap's top: free() alone cannot shrink it
+    libc.free(block)
+held = rss_bytes()
+CPUBackend().empty_cache()
+print(round((held - rss_bytes()) / 2**20))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux) to read the RSS")
+def test_empty_cache_gives_mallocs_free_heap_memory_back_to_the_os(python):
+    done = python(GLIBC_TRIM)
+    assert done.returncode == 0, done.stderr
+    if not trim_malloc_heaps():
+        assert int(done.stdout) < 16  # no glibc: nothing to trim, nothing changes
+        return
+    assert int(done.stdout) > 200  # of the 256 MiB freed into the heap, in MiB

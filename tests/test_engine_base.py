@@ -573,3 +573,21 @@ def test_every_model_and_role_setting_reaches_the_engine(tiny_model_path, monkey
         device="cpu",
     )
     assert ref.micro_batch_size == 7
+
+
+def test_a_cpu_phase_gives_freed_memory_back_when_it_starts_and_ends(tiny_model_path, monkeypatch):
+    from trellis.device import get_device_backend
+
+    eng = engine(tiny_model_path)
+    calls = []
+    monkeypatch.setattr(get_device_backend("cpu"), "empty_cache", lambda: calls.append("empty_cache"))
+    with eng.phase(optimizer=True):
+        assert calls == ["empty_cache"]  # what earlier stages freed
+        with eng.phase():  # nested: only the outermost phase trims
+            eng.forward_backward(make_batch(4), policy_loss_fn("token-mean"))
+        eng.optimizer_step()
+        assert calls == ["empty_cache"]
+    assert calls == ["empty_cache"] * 2  # what the phase freed
+    with eng.phase():
+        eng.forward(make_batch(4))
+    assert calls == ["empty_cache"] * 4

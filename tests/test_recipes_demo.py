@@ -68,6 +68,12 @@ def test_main_trains_and_reports_on_the_tiny_model(demo_cache, capsys):
     curve = re.search(r"Reward curve: (.+)", out).group(1)
     assert curve == str(demo_cache / "run" / "reward_curve.png") and os.path.getsize(curve) > 0
     assert re.search(r"Wall time: \d+ min \d\d s", out)
+    # a line per step with the process's memory, and the peak in the summary
+    steps = re.findall(r"^step (\d)/2: reward [\d.]+, RSS ([\d.]+) GiB, peak RSS ([\d.]+) GiB$", out, re.M)
+    assert [step for step, _, _ in steps] == ["1", "2"]
+    assert all(0 < float(rss) <= float(peak) + 0.01 for _, rss, peak in steps)
+    peak = float(re.search(r"^Peak memory: ([\d.]+) GiB resident$", out, re.M).group(1))
+    assert peak >= float(steps[-1][2]) - 0.01
 
 
 def test_format_summary():
@@ -84,3 +90,8 @@ def test_format_summary():
         "Reward curve: /r/reward_curve.png",
         "Run directory: /r",
     ]
+    with_memory = demo.format_summary(
+        {"before": 0.1, "after": 0.2, "steps": 2, "seconds": 61, "peak_rss_gib": 4.234, "reward_curve": None,
+         "run_dir": "/r"}
+    )  # fmt: skip
+    assert "Wall time: 1 min 01 s\nPeak memory: 4.23 GiB resident\nReward curve: none" in with_memory

@@ -24,6 +24,7 @@ PUBLIC = {
     "peak_rss_bytes": "trellis.utils.memory",
     "reset_peak_rss": "trellis.utils.memory",
     "physical_memory_bytes": "trellis.utils.memory",
+    "trim_malloc_heaps": "trellis.utils.memory",
 }
 
 

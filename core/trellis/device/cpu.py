@@ -9,7 +9,8 @@ wall-clock time between two ``record()`` calls.
 
 Memory figures are the nearest honest ones a CPU has (see :mod:`trellis.utils.memory`):
 allocated = the process's resident set size, reserved and max allocated = its peak RSS, total =
-physical memory.
+physical memory. The allocator cache is glibc ``malloc``'s free memory: ``empty_cache()`` gives it
+back to the OS (``malloc_trim``).
 
 Nothing here imports torch, except :attr:`CPUBackend.torch_module` when it is used.
 """
@@ -23,7 +24,13 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 from trellis.device.base import DeviceBackend, DeviceError, DeviceEvent, DeviceStream
-from trellis.utils.memory import peak_rss_bytes, physical_memory_bytes, reset_peak_rss, rss_bytes
+from trellis.utils.memory import (
+    peak_rss_bytes,
+    physical_memory_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    trim_malloc_heaps,
+)
 
 __all__ = ["CPUBackend", "CPUEvent", "CPUStream", "CPUTorchModule", "native_bf16"]
 
@@ -201,7 +208,15 @@ class CPUBackend(DeviceBackend):
         reset_peak_rss()
 
     def empty_cache(self) -> None:
-        """No-op: there is no device allocator cache on the CPU to return."""
+        """Give the free memory glibc's ``malloc`` keeps in its heaps back to the OS (``malloc_trim``).
+
+        The host's allocator cache: torch's CPU tensors come from ``malloc``, which keeps freed blocks
+        below its mmap threshold (up to 32 MiB) in its heaps, resident, for later requests. Training
+        steps of varying shapes leave them fragmented, and a run's resident set grew by gigabytes over
+        its first steps (docs/performance.md, "Memory"). Engines call this when a phase ends
+        (:meth:`trellis.engine.base.TrainingEngine.phase`). A no-op without glibc.
+        """
+        trim_malloc_heaps()
 
     def synchronize(self) -> None:
         """No-op: CPU work is complete when the call that did it returns."""
@@ -241,8 +256,9 @@ class CPUTorchModule:
     makes, answered for the CPU, so such code runs unchanged; anything else comes from ``torch.cpu``.
 
     ``manual_seed``, ``get_rng_state`` and ``set_rng_state`` act on torch's CPU generator;
-    memory figures are the backend's (RSS, peak RSS); ``empty_cache`` and ``synchronize`` are
-    no-ops; ``current_device()`` is 0 (where ``torch.cpu.current_device()`` says ``"cpu"``).
+    memory figures are the backend's (RSS, peak RSS); ``empty_cache`` trims malloc's heaps (the
+    backend's); ``synchronize`` is a no-op; ``current_device()`` is 0 (where
+    ``torch.cpu.current_device()`` says ``"cpu"``).
     """
 
     def __init__(self, backend: CPUBackend):

@@ -68,6 +68,7 @@ from trellis.algorithms.logprobs import logprobs_and_entropy_from_logits, logpro
 from trellis.config.base import ConfigValueError, schema_default
 from trellis.config.schema import ActorConfig, CriticConfig, OffloadConfig, RefConfig
 from trellis.data.protocol import DataProto
+from trellis.device import get_device_backend
 from trellis.engine import lora, packing, sequence_parallel
 from trellis.engine import multimodal as multimodal_forward
 from trellis.engine.fused import apply_fused_kernels
@@ -558,15 +559,23 @@ class TrainingEngine:
         Entering brings the offloaded parameters (``offload.param``) onto ``self.device``, and
         with ``optimizer=True`` (a phase that calls ``optimizer_step``) the offloaded optimizer
         state (``offload.optimizer``) too. Leaving puts them back in host memory; after a phase
-        with ``optimizer=True`` the gradients are dropped when any offload is on (every update
-        starts with ``zero_grad``, so they are never read again). With both knobs off, or on a
-        CPU compute device, nothing moves. Phases nest: only the outermost one moves things back.
+        with ``optimizer=True`` the gradients are dropped when any offload is on or the compute
+        device is the CPU (every update starts with ``zero_grad``, so they are never read again;
+        on the CPU their memory then serves generation and validation). With both knobs off, or
+        on a CPU compute device, nothing moves. Phases nest: only the outermost one moves things
+        back. On a CPU compute device, entering and leaving give the memory freed before (by
+        generation, in another thread's heap) and during the phase (its activations) back to the
+        OS: the ``cpu`` backend's ``empty_cache``. Kept in malloc's heaps it fragments, and the
+        process's resident set grew by gigabytes over the first steps of a run
+        (docs/performance.md).
 
         Raises:
             EngineError: ``optimizer=True`` on a ``ref`` engine (no optimizer).
         """
         if optimizer:
             self._require_trainable("phase(optimizer=True)")
+        if self._phase_depth == 0:
+            self._trim_host()  # what the stages before it (generation) freed: the phase's own arena differs
         self._phase_depth += 1
         self._phase_updates |= optimizer
         try:
@@ -582,8 +591,9 @@ class TrainingEngine:
                 self._put_away(drop_grads=updated)
 
     def _put_away(self, *, drop_grads: bool) -> None:
-        """Move what the offload knobs keep on the host there; free the device's cached memory."""
-        if drop_grads and (self.offload_param or self.offload_optimizer):
+        """Move what the offload knobs keep on the host there; free the device's cached memory (on a
+        CPU compute device, always: malloc's free heap memory; see :meth:`phase`)."""
+        if drop_grads and (self.offload_param or self.offload_optimizer or self.device.type == "cpu"):
             self.zero_grad()
         moved = False
         if self._moves_optimizer:
@@ -594,6 +604,12 @@ class TrainingEngine:
             self.to(HOST, model=True, optimizer=False)
         if moved and self.device.type != "cpu":  # the freed blocks go back for others (the rollout)
             torch.get_device_module(self.device.type).empty_cache()
+        self._trim_host()
+
+    def _trim_host(self) -> None:
+        """On a CPU compute device, give malloc's free heap memory back to the OS (see :meth:`phase`)."""
+        if self.device.type == "cpu":
+            get_device_backend("cpu").empty_cache()
 
     @property
     def _moves_params(self) -> bool:

@@ -14,7 +14,7 @@ module                          public names
 ``trellis.utils.timing``        ``timer``, ``marked_timer``
 ``trellis.utils.profiling``     ``profile``
 ``trellis.utils.memory``        ``rss_bytes``, ``peak_rss_bytes``, ``reset_peak_rss``,
-                                ``physical_memory_bytes``
+                                ``physical_memory_bytes``, ``trim_malloc_heaps``
 ``trellis.utils.settings``      ``config_value``, ``setting``
 ``trellis.utils.coroutines``    ``run_coroutine``
 ``trellis.utils.lazy``          ``lazy_attributes``
@@ -46,6 +46,7 @@ _LAZY: dict[str, str] = {
     "peak_rss_bytes": "trellis.utils.memory:peak_rss_bytes",
     "reset_peak_rss": "trellis.utils.memory:reset_peak_rss",
     "physical_memory_bytes": "trellis.utils.memory:physical_memory_bytes",
+    "trim_malloc_heaps": "trellis.utils.memory:trim_malloc_heaps",
     "config_value": "trellis.utils.settings:config_value",
     "setting": "trellis.utils.settings:setting",
     "run_coroutine": "trellis.utils.coroutines:run_coroutine",

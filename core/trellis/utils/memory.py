@@ -1,5 +1,6 @@
 """The process's memory as the operating system reports it: resident set size, its peak, and the
-machine's physical memory, in bytes.
+machine's physical memory, in bytes; and giving the free memory the C allocator (glibc's ``malloc``)
+keeps in its heaps back to the OS.
 
 These are the CPU's figures. A device's (allocated, reserved, total, on whichever backend is
 selected) and giving its cached memory back are in :mod:`trellis.device.memory`, above this layer.
@@ -7,9 +8,12 @@ selected) and giving its cached memory back are in :mod:`trellis.device.memory`,
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import resource
 import sys
+from typing import Any
 
 GIB = 2**30
 """Bytes in a GiB."""
@@ -67,3 +71,29 @@ def physical_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (OSError, ValueError):
         return 0
+
+
+@functools.cache
+def _glibc() -> Any:
+    """The C library as a ctypes handle when it is glibc (it has ``malloc_trim``), else None."""
+    try:
+        libc = ctypes.CDLL(None)  # the symbols already loaded into this process
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    except (OSError, AttributeError):  # no glibc (macOS, musl): no such functions
+        return None
+    return libc
+
+
+def trim_malloc_heaps() -> bool:
+    """Give the free memory glibc's ``malloc`` keeps in its heaps back to the OS; True when it ran.
+
+    ``malloc_trim(0)``: every arena's free pages are released (``madvise``), not only the top of the
+    main heap, so the resident set drops to what is still allocated. Costs a walk over the free
+    chunks (about 70 ms for 512 MiB in 8192 holes, measured on 2 cores) and page faults when those
+    pages are used again. Without glibc nothing happens and the answer is False.
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
