@@ -575,7 +575,7 @@ class TrainingEngine:
         if optimizer:
             self._require_trainable("phase(optimizer=True)")
         if self._phase_depth == 0:
-            self._trim_host()  # what the stages before it (generation) freed: the phase's own arena differs
+            self._trim_host()  # what earlier stages freed (generation: in its own thread's malloc arena)
         self._phase_depth += 1
         self._phase_updates |= optimizer
         try:

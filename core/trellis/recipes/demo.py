@@ -16,8 +16,9 @@ Measured on 2 cores (x86-64 with AMX, torch 2.13): 40 steps of about 13 s (gener
 9 s), 9 minutes in all with model loading and both validations; held-out accuracy went from 3.5%
 to 54.0% (``trainer.seed=1``, the default) and to 57.5% (``trainer.seed=2``). With another busy
 process on the same two cores, two torch threads slow down several-fold. Memory (fp32, on a CPU
-without bf16, docs/performance.md "Memory"): 2.94 GiB resident after every step, a peak of 4.1 GiB
-in the updates; before malloc's heaps were trimmed and micro-batches shrunk, 6-11 GiB and growing.
+without bf16, docs/performance.md "Memory"): about 2.4 GiB resident after every step, peaks of
+4.1 GiB in the updates and 4.5 GiB in the final validation; before malloc's heaps were trimmed and
+the micro-batches shrunk, 6-11 GiB and growing.
 """
 
 from __future__ import annotations
