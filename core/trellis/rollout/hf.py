@@ -524,6 +524,8 @@ class HFRolloutReplica(RolloutReplica):
         appended to ``batch``, so a failure reaches each caller still waiting; requests offered but
         never admitted wait in ``resume`` for the next batch.
         """
+        import torch
+
         loop = asyncio.get_running_loop()
         session = Session(hold=lambda: self._updates_waiting > 0)
 
@@ -553,8 +555,6 @@ class HFRolloutReplica(RolloutReplica):
                     decoder.run(list(batch))
             finally:
                 self.model.train(was_training)
-
-        import torch
 
         self.generate_calls += 1
         self._session = session
