@@ -41,6 +41,25 @@ def test_exceptions_propagate(in_loop):
         asyncio.run(caller()) if in_loop else run_coroutine(_fail())
 
 
+def test_an_exception_kept_after_the_call_holds_no_frame_of_the_caller():
+    # a CancelledError kept by a future used to chain (__context__) to the RuntimeError that
+    # asyncio.get_running_loop raised, whose traceback held the caller's frames and so its batch
+    kept: list[BaseException] = []
+
+    async def cancelled() -> None:
+        task = asyncio.ensure_future(asyncio.sleep(10))
+        await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError as err:
+            kept.append(err)
+
+    run_coroutine(cancelled())
+    assert len(kept) == 1
+    assert kept[0].__context__ is None
+
+
 def test_reward_managers_use_the_same_function():
     from trellis.reward import managers
 

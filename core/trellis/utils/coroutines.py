@@ -24,6 +24,13 @@ def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        running = False
+    else:
+        running = True
+    if not running:
+        # outside the except block: an exception raised in the coroutine (a task's CancelledError kept
+        # by a future) would otherwise chain to the RuntimeError above, whose traceback holds every
+        # caller's frame, and keep the caller's batch alive until the next call
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as helper:
         return helper.submit(asyncio.run, coro).result()
