@@ -440,6 +440,10 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "trainer.total_epochs": (RUN_TRAINER,),
     "trainer.total_training_steps": (TRAINER + "test_python_callable_reward",),
     "trainer.device": (BAD_NAME,),
+    "trainer.flush_denormal": (
+        TRAINER + "test_flush_denormal_holds_while_the_run_trains_and_is_restored_after",
+        TRAINER + "test_worker_and_replica_processes_set_flush_denormal_from_the_config",
+    ),
     "trainer.executor": (
         TRAINER + "test_ray_executor_with_two_fsdp_workers_and_custom_components",
         TRAINER + "test_unknown_preset_and_local_world_size_errors",

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from trellis.device import DeviceError
-from trellis.device.cpu import CPUBackend, CPUEvent, CPUStream, CPUTorchModule, native_bf16
+from trellis.device.cpu import (
+    CPUBackend,
+    CPUEvent,
+    CPUStream,
+    CPUTorchModule,
+    flushes_denormal,
+    native_bf16,
+    set_flush_denormal,
+)
 from trellis.utils.memory import trim_malloc_heaps
 
 
@@ -236,3 +244,21 @@ def test_empty_cache_gives_mallocs_free_heap_memory_back_to_the_os(python):
         assert int(done.stdout) < 16  # no glibc: nothing to trim, nothing changes
         return
     assert int(done.stdout) > 200  # of the 256 MiB freed into the heap, in MiB
+
+
+def test_set_flush_denormal_flushes_on_this_thread_and_the_threads_it_starts_later():
+    before = set_flush_denormal(False)
+    try:
+        assert flushes_denormal() is False
+        assert torch.tensor([1e-39]).mul(1.0).item() == pytest.approx(1e-39, rel=1e-3)  # gradual underflow
+        assert set_flush_denormal(True) is False  # the setting before
+        assert flushes_denormal() is True
+        assert torch.tensor([1e-39]).mul(1.0).item() == 0.0
+        assert set_flush_denormal(True) is True
+        started_after: list[bool] = []
+        thread = threading.Thread(target=lambda: started_after.append(flushes_denormal()))
+        thread.start()
+        thread.join()
+        assert started_after == [True]
+    finally:
+        set_flush_denormal(before)

@@ -742,3 +742,49 @@ def test_ray_workers_gather_shards_of_uneven_width_for_more_than_an_epoch(tmp_pa
         [m["reward/mean"] for m in local.history], abs=1e-6
     )
     shutil.rmtree(tmp_path / f"ray{workers}", ignore_errors=True)
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_flush_denormal_holds_while_the_run_trains_and_is_restored_after(tmp_path, flush):
+    from trellis.device.cpu import flushes_denormal, set_flush_denormal
+    from trellis.hooks import get_plugin_manager, hookimpl
+
+    torch.set_num_threads(1)
+    seen = []
+
+    class Probe:
+        @hookimpl
+        def trellis_step_end(self, step: int) -> None:
+            seen.append(flushes_denormal())
+
+    probe = Probe()
+    before = set_flush_denormal(not flush)  # the run must change it, then put it back
+    get_plugin_manager().register(probe)
+    try:
+        setting = f"trainer.flush_denormal={str(flush).lower()}"
+        run(tmp_path, *QUICK, "trainer.total_training_steps=2", setting)
+        assert seen == [flush, flush]
+        assert flushes_denormal() is (not flush)
+    finally:
+        get_plugin_manager().unregister(probe)
+        set_flush_denormal(before)
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_worker_and_replica_processes_set_flush_denormal_from_the_config(flush):
+    # a Ray actor is a process of its own: the driver's setting never reaches it
+    from trellis.config import load_config
+    from trellis.device.cpu import flushes_denormal, set_flush_denormal
+    from trellis.rollout.remote import _set_threads
+    from trellis.trainer.workers import ActorRolloutRefWorker
+
+    config = load_config(None, [*preset_overrides("tiny"), f"trainer.flush_denormal={str(flush).lower()}"])
+    before = set_flush_denormal(not flush)
+    try:
+        ActorRolloutRefWorker(config)
+        assert flushes_denormal() is flush
+        set_flush_denormal(not flush)
+        _set_threads(config)
+        assert flushes_denormal() is flush
+    finally:
+        set_flush_denormal(before)

@@ -25,10 +25,15 @@ from trellis.rollout.base import RolloutReplica, has_items
 from trellis.rollout.sampling import SamplingParams, TokenOutput
 
 
-def _set_threads() -> None:
+def _set_threads(config: Any) -> None:
+    """The torch threads of a replica's process (``TRELLIS_NUM_THREADS``), and whether its CPU
+    computations flush denormals (``trainer.flush_denormal``)."""
     import torch
 
+    from trellis.device.cpu import set_flush_denormal
+
     torch.set_num_threads(int(os.environ.get("TRELLIS_NUM_THREADS", torch.get_num_threads())))
+    set_flush_denormal(config.trainer.flush_denormal)
 
 
 async def wake_and_resume(replica: Any) -> None:
@@ -53,7 +58,7 @@ class ReplicaActor:
     def __init__(self, replica_rank: int, config: Any) -> None:
         from trellis.registries import rollout_replicas
 
-        _set_threads()
+        _set_threads(config)
         self.config = config
         self.replica_rank = replica_rank
         self.replica = rollout_replicas.get(config.rollout.name)(replica_rank, config.rollout, config.model)
@@ -229,7 +234,7 @@ class AgentWorker:
         from trellis.rollout.agent_loop import AgentLoopManager
         from trellis.utils.tokenizer import hf_processor, hf_tokenizer
 
-        _set_threads()
+        _set_threads(config)
         self.config = config
         handles = []
         for rank, actor, pid in replicas:

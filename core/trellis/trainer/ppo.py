@@ -33,6 +33,7 @@ from trellis.algorithms import objective
 from trellis.algorithms.kl import get_kl_controller, kl_penalty
 from trellis.algorithms.masked import masked_mean
 from trellis.data.protocol import DataProto
+from trellis.device.cpu import set_flush_denormal
 from trellis.errors import TrellisError
 from trellis.trainer import metrics as M
 from trellis.trainer.profiler import StageProfiler
@@ -98,6 +99,8 @@ class Trainer:
         self.groups: list[Any] = []
         self._own_ray = False  # whether this trainer started the Ray cluster (and stops it)
         self._threads_before: int | None = None
+        # before any worker, replica thread or OpenMP pool starts: they inherit the setting
+        self._denormal_before = set_flush_denormal(config.trainer.flush_denormal)  # restored by _shutdown
         self.replicas: Any = None
         """The standalone replicas' :class:`~trellis.rollout.manager.ReplicaManager`
         (rollout.mode=standalone); None when each training worker owns its replica."""
@@ -1040,6 +1043,7 @@ class Trainer:
         if self._threads_before is not None:  # _leave_cores_to_replicas lowered them
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
+        set_flush_denormal(getattr(self, "_denormal_before", False))
 
 
 def _worker_mean(metrics: dict[str, Any]) -> dict[str, float]:

@@ -34,6 +34,7 @@ from trellis.algorithms import objective
 from trellis.algorithms.aggregation import GlobalBatchInfo
 from trellis.config.base import ConfigValueError
 from trellis.data.protocol import DataProto
+from trellis.device.cpu import set_flush_denormal
 from trellis.distributed import (
     Dispatch,
     Worker,
@@ -110,6 +111,7 @@ class _Role(Worker):
         self.config = config
         self.reward_fn = reward_fn
         torch.set_num_threads(int(os.environ.get("TRELLIS_NUM_THREADS", torch.get_num_threads())))
+        set_flush_denormal(config.trainer.flush_denormal)  # a process of its own starts without it
         if "RANK" in os.environ:  # a process of its own (a Ray actor): seed its global generators, which
             seed_process(config.trainer.seed + self.rank)  # the driver's seeding never reached
         # each worker's data-parallel rank on each mesh the methods are dispatched over ("actor" for the
