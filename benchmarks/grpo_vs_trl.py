@@ -27,10 +27,11 @@ one optimizer update, the same on both sides:
 - fp32 weights and compute, no gradient checkpointing (TRL's default is on), no KL and no reference
   model (TRL ``beta=0.0``), no vLLM, seed 1, logging / evaluation / checkpoints off.
 
-Beyond that each framework runs as it is: Trellis' ``hf`` rollout replica (its own sampler; on the
-CPU it generates with one intra-op thread for models under 10M parameters), its forward pass for
-the old log-probs and its entropy metric; TRL's ``model.generate``, without the old log-probs
-(equal to the current ones when each batch gets exactly one update, so TRL skips them).
+Beyond that each framework runs as it is: Trellis' ``hf`` rollout replica (its own sampler and
+continuous batching; on the CPU it generates with one intra-op thread for models under 10M
+parameters), its entropy metric and ``trainer.flush_denormal`` (on by default); TRL's
+``model.generate``. Neither computes the old log-probs in a forward pass of their own: with one
+update per batch they equal the current ones (Trellis' ``old_log_prob`` stage is then 0).
 
 Timing excludes model loading and start-up: Trellis' ``timing/step`` of each step (generation to
 the end of the update), TRL's wall time from ``on_step_begin`` to ``on_step_end`` of a callback
@@ -57,7 +58,9 @@ Models: the tiny test model (built into a temporary folder) and SmolLM2-135M-Ins
 ``trellis.utils.demo_model.smollm2_path()`` can provide it (skipped with a note otherwise).
 Needs ``trl`` (with its ``accelerate`` and ``datasets``) for the TRL side; without it the Trellis side
 runs alone, with a note, and its columns are printed with the TRL ones left blank.
-Target: Trellis <= 1.0x TRL seconds per step on both models. A measurement, never a pass/fail test.
+Targets (issue 22): Trellis <= 0.75x TRL seconds per step on the tiny model and <= 0.6x on SmolLM2,
+the update at >= 60% of the fp32 peak, generation at >= 50% of its roofline. A measurement, never a
+pass/fail test.
 """
 
 from __future__ import annotations

@@ -111,6 +111,10 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "model.attn_implementation": (ENGINE, COLOCATED, "tests/test_engine_base.py::test_constructor_errors"),
     "model.gradient_checkpointing": (ENGINE,),
     "model.use_remove_padding": (ENGINE, DEFAULTS),
+    "model.share_prompt": (
+        "tests/test_engine_shared_prompt.py::test_forward_equals_the_plain_path_with_fewer_tokens",
+        "tests/test_engine_shared_prompt.py::test_where_it_cannot_apply_the_engine_says_so",
+    ),
     "model.override_config": (ENGINE,),
     "model.lora.rank": (
         "tests/test_lora.py::test_only_the_adapters_train_and_their_optimizer_state_is_small",

@@ -104,6 +104,30 @@ def test_long_tail_requests_match_the_generate_path_and_a_teacher_forced_pass(ba
         torch.testing.assert_close(torch.tensor(a.log_probs), expected, atol=1e-4, rtol=0)
 
 
+def test_the_samples_of_one_prompt_share_its_prefill_and_still_match_the_generate_path(base):
+    """GRPO's rollout.n samples of a prompt: one prefill row per distinct prompt, the KV cache copied to
+    each sample; every sample's tokens equal the generate path's and its log-probs a teacher-forced pass."""
+    model, tok = base
+    ps = prompts(tok, 3)
+    rows = [(p, 4 * k + j) for k, p in enumerate(ps) for j in range(4)]  # 3 prompts x 4 samples
+
+    async def body(replica):
+        calls = [
+            replica.generate(p, SamplingParams(max_tokens=6 + i % 5, seed=i, logprobs=True), f"r{i}")
+            for p, i in rows
+        ]
+        return await asyncio.gather(*calls), copy.copy(replica.decode_stats)
+
+    continuous, stats = run(model, tok, body, batching="continuous")
+    static, _ = run(model, tok, body, batching="static")
+    assert stats.prefills == 1 and stats.shared_prefill_rows == 12 - 3
+    assert len({tuple(out.token_ids) for out in continuous}) > 3  # the samples differ, not copies
+    for (p, _), a, b in zip(rows, continuous, static, strict=True):
+        assert a.token_ids == b.token_ids
+        expected = teacher_forced_log_probs(model, p, a.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(a.log_probs), expected, atol=1e-4, rtol=0)
+
+
 def test_a_request_joins_the_running_batch_and_leaves_before_the_long_one(base):
     model, tok = base
     long_prompt, short_prompt = prompts(tok, 2)

@@ -178,6 +178,13 @@ class ModelConfig(BaseConfig):
         "Pack sequences without pad tokens in forward passes where the model allows it; RL batches of "
         "uneven length otherwise spend much of their compute on padding.",
     )
+    share_prompt: bool = knob(
+        True,
+        "Rows of a micro-batch with the same prompt (the rollout.n responses to it) run the prompt through "
+        "the model once and their responses on its KV cache: the same log-probs and gradients for fewer "
+        "tokens. Where the model's cache is plain full attention and gradient_checkpointing is off; not "
+        "for the critic, images or sequence parallelism.",
+    )
     override_config: dict[str, Any] = knob(
         {}, "Entries that override the model's Hugging Face config, e.g. {attention_dropout: 0.0}."
     )

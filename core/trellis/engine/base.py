@@ -69,7 +69,7 @@ from trellis.config.base import ConfigValueError, schema_default
 from trellis.config.schema import ActorConfig, CriticConfig, OffloadConfig, RefConfig
 from trellis.data.protocol import DataProto
 from trellis.device import get_device_backend
-from trellis.engine import lora, packing, sequence_parallel
+from trellis.engine import lora, packing, sequence_parallel, shared_prompt
 from trellis.engine import multimodal as multimodal_forward
 from trellis.engine.fused import apply_fused_kernels
 from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, micro_batch_groups
@@ -172,6 +172,17 @@ class TrainingEngine:
         """What ``model.fused_kernels`` swapped in: ``{kernel name: modules replaced}``."""
         if self.sp_size > 1:
             self._use_ulysses_attention(module)
+        self.share_prompt = (
+            bool(model_setting(model_config, "share_prompt"))
+            and role != "critic"
+            and self.sp_size == 1
+            and self._logits_to_keep
+            and not model_setting(model_config, "gradient_checkpointing")
+            and shared_prompt.plain_kv_cache(module)
+        )
+        """Whether rows of a micro-batch that share a prompt run it once (``model.share_prompt``, where
+        the model allows it: :mod:`trellis.engine.shared_prompt`)."""
+        self._cache_arg = shared_prompt.cache_argument(module)
         self.lora = lora.lora_settings(model_config, role)
         """The role's adapter settings (``model.lora``), or None: every weight trains (and always for ref)."""
         if self.lora is not None:
@@ -395,6 +406,10 @@ class TrainingEngine:
         keep_kwargs: dict[str, Any] = {}
         # a vision-language batch: the rows' pixel values, and M-RoPE positions (3, bs, L) for every token
         vision = multimodal_forward.vision_inputs(self.model, micro, attention_mask)
+        if self.share_prompt and vision is None and not value_head:
+            shared = self._shared_prompt_outputs(micro, position_ids, compute_entropy)
+            if shared is not None:
+                return shared
 
         if self.use_remove_padding:
             packed = packing.pack(input_ids, attention_mask, position_ids)
@@ -454,6 +469,47 @@ class TrainingEngine:
         logits = out.logits[:, :width] if keep_kwargs else out.logits[:, first : length - 1]
         stats = self._outputs(logits, responses, compute_entropy, micro)
         valid = attention_mask[:, first : length - 1].bool()
+        return {key: torch.where(valid, value, 0.0) for key, value in stats.items()}
+
+    def _shared_prompt_outputs(
+        self, micro: DataProto, position_ids: torch.Tensor, compute_entropy: bool
+    ) -> dict[str, torch.Tensor] | None:
+        """The micro-batch's outputs with one prompt pass per distinct prompt and the responses run on
+        its KV cache (:mod:`trellis.engine.shared_prompt`); None when no two rows share a prompt."""
+        tensors = micro.tensors
+        input_ids, attention_mask, responses = (
+            tensors["input_ids"],
+            tensors["attention_mask"],
+            tensors["responses"],
+        )
+        length, width = input_ids.shape[1], responses.shape[1]
+        prompt = length - width
+        groups = shared_prompt.prompt_groups(input_ids[:, :prompt], attention_mask[:, :prompt])
+        if groups is None:
+            return None
+        first, inverse = groups
+        with self._compute_context():
+            head = self.model(
+                input_ids=input_ids[first, :prompt],
+                attention_mask=attention_mask[first, :prompt],
+                position_ids=position_ids[first, :prompt],
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = head.logits.index_select(0, inverse)  # (bs, 1, V): predicts response token 0
+            if width > 1:  # the last response token predicts nothing
+                cache = shared_prompt.expand_cache(shared_prompt.cache_of(head), inverse)
+                tail = self.model(
+                    input_ids=input_ids[:, prompt : length - 1],
+                    attention_mask=attention_mask[:, : length - 1],
+                    position_ids=position_ids[:, prompt : length - 1],
+                    use_cache=True,
+                    logits_to_keep=0,
+                    **{self._cache_arg: cache},
+                )
+                logits = torch.cat([logits, tail.logits], dim=1)
+        stats = self._outputs(logits, responses, compute_entropy, micro)
+        valid = attention_mask[:, prompt - 1 : length - 1].bool()
         return {key: torch.where(valid, value, 0.0) for key, value in stats.items()}
 
     def _sequence_parallel_outputs(

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trellis.engine import shared_prompt
 from trellis.rollout.hf_sampling import RowRule, uniform_streams
 from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
 
@@ -49,18 +50,7 @@ from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
 def supports_continuous(model: Any) -> bool:
     """Whether ``model`` can decode with :class:`ContinuousDecoder`: a decoder-only text model whose
     ``DynamicCache`` is made of plain full-attention ``DynamicLayer`` layers."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False):
-        return False
-    if getattr(config, "vision_config", None) is not None:  # M-RoPE positions: generate computes them
-        return False
-    try:
-        layers = DynamicCache(config=config).layers
-    except Exception:  # a config the cache cannot read: stay on generate
-        return False
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    return shared_prompt.plain_kv_cache(model)
 
 
 @dataclass
@@ -70,6 +60,7 @@ class DecodeStats:
     steps: int = 0  # decoding steps (prefills not counted)
     prefills: int = 0  # admissions: prefill passes of newcomers
     peak_rows: int = 0  # most rows decoded at once
+    shared_prefill_rows: int = 0  # admitted rows whose context another row of their prefill computed
 
 
 @dataclass
@@ -200,8 +191,7 @@ class ContinuousDecoder:
         self.stats = stats if stats is not None else DecodeStats()
         accepted = inspect.signature(type(model).forward).parameters  # the class: wrappers hide it
         self._keeps_logits = "logits_to_keep" in accepted
-        # transformers 5.x renamed the forward's past_key_values to cache (the old name warns)
-        self._cache_arg = "cache" if "cache" in accepted else "past_key_values"
+        self._cache_arg = shared_prompt.cache_argument(model)
 
     # ------------------------------------------------------------------ the loop
 
@@ -242,13 +232,21 @@ class ContinuousDecoder:
             mask[i, width - len(c) :] = 1
         positions = (mask.cumsum(1) - 1).clamp_(min=0)
         kwargs = {"logits_to_keep": 1} if self._keeps_logits else {}
+        # requests with the same context (the rollout.n samples of a prompt) are prefilled once
+        shared = shared_prompt.prompt_groups(ids, mask)
+        pick = shared[0] if shared is not None else slice(None)
         out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
+            input_ids=ids[pick].to(self.device),
+            attention_mask=mask[pick].to(self.device),
+            position_ids=positions[pick].to(self.device),
             use_cache=True,
             **kwargs,
         )
+        cache, logits = shared_prompt.cache_of(out), out.logits[:, -1, :]
+        if shared is not None:
+            inverse = shared[1].to(self.device)
+            cache, logits = shared_prompt.expand_cache(cache, inverse), logits.index_select(0, inverse)
+            self.stats.shared_prefill_rows += len(requests) - len(shared[0])
         params = [r.segment_params() for r in requests]
         rows = [
             _Row(r, p, self.eos | set(p.stop_token_ids), list(r.prefix_ids))
@@ -258,13 +256,13 @@ class ContinuousDecoder:
             params, self.generator, max(p.max_tokens for p in params), [len(r.prefix_ids) for r in requests]
         ).to(self.device)
         first = len(self.rows)
-        self._join(_cache_of(out), mask.to(self.device), streams)
+        self._join(cache, mask.to(self.device), streams)
         self.rows += rows
         self.positions = torch.cat([self.positions, mask.sum(1).to(self.device)])
         self.last = torch.cat([self.last, torch.zeros(len(rows), dtype=torch.long, device=self.device)])
         self.stats.prefills += 1
         self.stats.peak_rows = max(self.stats.peak_rows, len(self.rows))
-        self._sample(out.logits[:, -1, :], first)
+        self._sample(logits, first)
 
     def _step(self) -> None:
         """One decoding step of every running row."""
@@ -279,7 +277,7 @@ class ContinuousDecoder:
             use_cache=True,
             **{self._cache_arg: self.cache},
         )
-        self.cache = _cache_of(out)
+        self.cache = shared_prompt.cache_of(out)
         self.positions += 1
         self.stats.steps += 1
         self._sample(out.logits[:, -1, :], 0)
@@ -374,12 +372,6 @@ class ContinuousDecoder:
         self.positions = self.positions[keep]
         self.last = self.last[keep]
         self.uniforms = self.uniforms[keep]
-
-
-def _cache_of(output: Any) -> Any:
-    """The KV cache a forward pass returned (``cache`` in transformers 5.x, ``past_key_values`` before)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
 
 
 def _left_pad(x: Any, n: int) -> Any:
