@@ -12,13 +12,16 @@ The trainer's greedy validations before the first step and after the last measur
 accuracy; :func:`main` prints both, the gain, the wall time, the peak memory and the path of the
 reward curve, and during training a line per step with the process's resident memory.
 
-Measured on 2 cores (x86-64 with AMX, torch 2.13): 40 steps of about 13 s (generation 4 s, update
-9 s), 9 minutes in all with model loading and both validations; held-out accuracy went from 3.5%
-to 54.0% (``trainer.seed=1``, the default) and to 57.5% (``trainer.seed=2``). With another busy
-process on the same two cores, two torch threads slow down several-fold. Memory (fp32, on a CPU
-without bf16, docs/performance.md "Memory"): about 2.4 GiB resident after every step, peaks of
-4.1 GiB in the updates and 4.5 GiB in the final validation; before malloc's heaps were trimmed and
-the micro-batches shrunk, 6-11 GiB and growing.
+Measured on 2 cores (x86-64 with AMX, torch 2.13, bf16): 40 steps of about 13 s, 9 minutes in all
+with model loading and both validations; held-out accuracy went from 3.5% to 54.0%
+(``trainer.seed=1``, the default) and to 57.5% (``trainer.seed=2``). On 2 cores without native bf16
+(fp32, a quiet machine), after flushing denormals and running each prompt once for its 8 responses
+(docs/performance.md, "Faster steps"): 40 steps of about 18 s (generation 5 s, update 12.5 s),
+13 min 23 s in all, 4.0% -> 57.5%; before those two changes a step took 30 s. 16 steps at twice the
+learning rate took 5 min 28 s and reached only 33.0%. With another busy process on the same two
+cores, two torch threads slow down several-fold. Memory (fp32, docs/performance.md "Memory"): about
+2.4 GiB resident after every step, peaks of 4.1 GiB in the updates and 4.5 GiB in the final
+validation; before malloc's heaps were trimmed and the micro-batches shrunk, 6-11 GiB and growing.
 """
 
 from __future__ import annotations

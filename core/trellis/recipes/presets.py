@@ -84,7 +84,7 @@ def _demo(root: str) -> list[str]:
     train, val = os.path.join(root, "train.jsonl"), os.path.join(root, "heldout.jsonl")
     _write_jsonl(train, [p.row() for p in train_problems])
     _write_jsonl(val, [p.row() for p in heldout])
-    # Tuned for 2 CPU cores (about 9 minutes, 13 s a step; see trellis.recipes.demo for measurements).
+    # Tuned for 2 CPU cores (9-14 minutes, 13-18 s a step; see trellis.recipes.demo for measurements).
     return [
         f"model.path={model}",
         # bf16 autocast where the CPU computes bf16 natively: AMX matmuls made a training step ~1.7x
@@ -102,11 +102,10 @@ def _demo(root: str) -> list[str]:
         "rollout.n=8",
         # one optimizer step per step: on-policy, so the old-log-prob forward pass is skipped
         "actor.ppo_mini_batch_size=8",
-        # Small micro-batches bound the activations kept for backward (about 75 KB per token and layer in
-        # float32): 32 rows held ~5 GiB of them and the run peaked at 7-10 GiB. Measured (fp32, 2 cores):
-        # update peaks of 4.1 GiB at 4 rows, 4.7 at 8, same update time as 32 rows. bf16 autocast recasts the
-        # weights for every micro-batch, so there 8 rows.
-        f"actor.ppo_micro_batch_size_per_device={8 if native_bf16() else 4}",
+        # One group of 8 responses per micro-batch: model.share_prompt runs its prompt once (about 90 tokens
+        # and 8 x 16 response tokens instead of 8 x 106), which also bounds the activations kept for backward
+        # (about 75 KB per token and layer in float32; 32 unshared rows held ~5 GiB and peaked at 7-10 GiB).
+        "actor.ppo_micro_batch_size_per_device=8",
         "actor.optim.lr=2e-5",
         "trainer.total_training_steps=40",
         "trainer.test_freq=40",  # validate before the first step and after the last only
