@@ -30,17 +30,24 @@ def make_batch(bs: int = 8, seed: int = 0, vocab: int = 300) -> DataProto:
     cols = torch.arange(length)
     mask = ((cols >= PROMPT - prompt_lens[:, None]) & (cols < PROMPT + response_lens[:, None])).long()
     ids = torch.where(mask.bool(), torch.randint(4, vocab, (bs, length), generator=gen), 3)
+    return batch_of(ids, mask, gen)
+
+
+def batch_of(ids: torch.Tensor, mask: torch.Tensor, gen: torch.Generator, prompt: int = PROMPT) -> DataProto:
+    """A training batch of rows ``ids`` (prompt columns first) with attention ``mask``: positions,
+    responses, and random old log-probs, advantages, returns and values drawn from ``gen``."""
+    bs, response = ids.shape[0], ids.shape[1] - prompt
     return DataProto.from_dict(
         {
             "input_ids": ids,
             "attention_mask": mask,
             "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": ids[:, PROMPT:],
-            "response_mask": mask[:, PROMPT:].float(),
-            "old_log_probs": -5.0 + 0.3 * torch.randn(bs, RESPONSE, generator=gen),
-            "advantages": torch.randn(bs, RESPONSE, generator=gen),
-            "returns": torch.randn(bs, RESPONSE, generator=gen),
-            "values": 0.1 * torch.randn(bs, RESPONSE, generator=gen),
+            "responses": ids[:, prompt:],
+            "response_mask": mask[:, prompt:].float(),
+            "old_log_probs": -5.0 + 0.3 * torch.randn(bs, response, generator=gen),
+            "advantages": torch.randn(bs, response, generator=gen),
+            "returns": torch.randn(bs, response, generator=gen),
+            "values": 0.1 * torch.randn(bs, response, generator=gen),
         }
     )
 

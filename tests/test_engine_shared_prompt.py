@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_base import assert_close_dicts, engine, grads, policy_loss_fn
+from test_engine_base import assert_close_dicts, batch_of, engine, grads, policy_loss_fn
 
 from trellis.data.protocol import DataProto
 from trellis.engine import shared_prompt
@@ -39,18 +39,7 @@ def grouped_batch(groups=((5, 3), (7, 2), (2, 1), (4, 3)), seed: int = 0) -> Dat
             rows.append((ids, mask))
     ids = torch.stack([r[0] for r in rows])
     mask = torch.stack([r[1] for r in rows])
-    bs = len(rows)
-    return DataProto.from_dict(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": ids[:, PROMPT:],
-            "response_mask": mask[:, PROMPT:].float(),
-            "old_log_probs": -5.0 + 0.3 * torch.randn(bs, RESPONSE, generator=gen),
-            "advantages": torch.randn(bs, RESPONSE, generator=gen),
-        }
-    )
+    return batch_of(ids, mask, gen)
 
 
 def test_prompt_groups_by_tokens_and_mask_in_order_of_first_appearance():
