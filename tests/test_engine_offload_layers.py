@@ -74,6 +74,11 @@ def test_offload_is_registered():
     assert training_engines.get("offload") is OffloadEngine
 
 
+def test_offload_runs_every_prompt_per_row(tiny_model_path):
+    # backward reruns each layer's forward, which would extend a shared prompt's KV cache twice
+    assert build(OffloadEngine, tiny_model_path).share_prompt is False
+
+
 @pytest.mark.parametrize(
     ("packed", "mbs", "dynamic"),
     [(True, 2, None), (False, 3, None), (True, 2, 40)],

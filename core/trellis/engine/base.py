@@ -121,6 +121,10 @@ class TrainingEngine:
             cannot run (``ref.offload.optimizer``; see the subclass for its own).
     """
 
+    recomputes_layers = False
+    """Whether backward reruns each layer's forward (the ``offload`` engine): then the shared-prompt
+    path is off, because a rerun would extend the KV cache a second time."""
+
     name: ClassVar[str] = "base"
     supports_sequence_parallel: ClassVar[bool] = False
     """Whether the engine can split sequences over ranks (``ulysses_sequence_parallel_size`` > 1)."""
@@ -178,6 +182,7 @@ class TrainingEngine:
             and self.sp_size == 1
             and self._logits_to_keep
             and not model_setting(model_config, "gradient_checkpointing")
+            and not self.recomputes_layers
             and shared_prompt.plain_kv_cache(module)
         )
         """Whether rows of a micro-batch that share a prompt run it once (``model.share_prompt``, where

@@ -291,6 +291,8 @@ class OffloadEngine(TrainingEngine):
             than one rank.
     """
 
+    recomputes_layers = True  # backward reruns each layer: no shared prompts (see TrainingEngine)
+
     name = "offload"
     streams_on_cpu: ClassVar[bool] = False
     """Take the side-stream path (copies ordered by events, gradients landing later) on a CPU device

@@ -111,7 +111,8 @@ class _Role(Worker):
         self.config = config
         self.reward_fn = reward_fn
         torch.set_num_threads(int(os.environ.get("TRELLIS_NUM_THREADS", torch.get_num_threads())))
-        set_flush_denormal(config.trainer.flush_denormal)  # a process of its own starts without it
+        # a process of its own starts without it (a config without a trainer section: the default, on)
+        set_flush_denormal(bool(getattr(getattr(config, "trainer", None), "flush_denormal", True)))
         if "RANK" in os.environ:  # a process of its own (a Ray actor): seed its global generators, which
             seed_process(config.trainer.seed + self.rank)  # the driver's seeding never reached
         # each worker's data-parallel rank on each mesh the methods are dispatched over ("actor" for the
