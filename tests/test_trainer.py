@@ -775,7 +775,7 @@ def test_worker_and_replica_processes_set_flush_denormal_from_the_config(flush):
     # a Ray actor is a process of its own: the driver's setting never reaches it
     from trellis.config import load_config
     from trellis.device.cpu import flushes_denormal, set_flush_denormal
-    from trellis.rollout.remote import _set_threads
+    from trellis.rollout.remote import set_process_cpu
     from trellis.trainer.workers import ActorRolloutRefWorker
 
     config = load_config(None, [*preset_overrides("tiny"), f"trainer.flush_denormal={str(flush).lower()}"])
@@ -784,7 +784,7 @@ def test_worker_and_replica_processes_set_flush_denormal_from_the_config(flush):
         ActorRolloutRefWorker(config)
         assert flushes_denormal() is flush
         set_flush_denormal(not flush)
-        _set_threads(config)
+        set_process_cpu(config)
         assert flushes_denormal() is flush
     finally:
         set_flush_denormal(before)

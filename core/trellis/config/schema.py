@@ -183,7 +183,7 @@ class ModelConfig(BaseConfig):
         "Rows of a micro-batch with the same prompt (the rollout.n responses to it) run the prompt through "
         "the model once and their responses on its KV cache: the same log-probs and gradients for fewer "
         "tokens. Where the model's cache is plain full attention and gradient_checkpointing is off; not "
-        "for the critic, images or sequence parallelism.",
+        "for the critic, the offload engine, images or sequence parallelism.",
     )
     override_config: dict[str, Any] = knob(
         {}, "Entries that override the model's Hugging Face config, e.g. {attention_dropout: 0.0}."

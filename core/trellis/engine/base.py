@@ -121,7 +121,7 @@ class TrainingEngine:
             cannot run (``ref.offload.optimizer``; see the subclass for its own).
     """
 
-    recomputes_layers = False
+    recomputes_layers: ClassVar[bool] = False
     """Whether backward reruns each layer's forward (the ``offload`` engine): then the shared-prompt
     path is off, because a rerun would extend the KV cache a second time."""
 
@@ -472,8 +472,17 @@ class TrainingEngine:
                     **keep_kwargs,
                 )
         logits = out.logits[:, :width] if keep_kwargs else out.logits[:, first : length - 1]
-        stats = self._outputs(logits, responses, compute_entropy, micro)
-        valid = attention_mask[:, first : length - 1].bool()
+        return self._padded_outputs(logits, micro, compute_entropy)
+
+    def _padded_outputs(
+        self, logits: torch.Tensor, micro: DataProto, compute_entropy: bool
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`_outputs` of ``(bs, T, V)`` logits at the positions that predict each response token,
+        0 where that position is padding."""
+        tensors = micro.tensors
+        length, width = tensors["input_ids"].shape[1], tensors["responses"].shape[1]
+        stats = self._outputs(logits, tensors["responses"], compute_entropy, micro)
+        valid = tensors["attention_mask"][:, length - width - 1 : length - 1].bool()
         return {key: torch.where(valid, value, 0.0) for key, value in stats.items()}
 
     def _shared_prompt_outputs(
@@ -513,9 +522,7 @@ class TrainingEngine:
                     **{self._cache_arg: cache},
                 )
                 logits = torch.cat([logits, tail.logits], dim=1)
-        stats = self._outputs(logits, responses, compute_entropy, micro)
-        valid = attention_mask[:, prompt - 1 : length - 1].bool()
-        return {key: torch.where(valid, value, 0.0) for key, value in stats.items()}
+        return self._padded_outputs(logits, micro, compute_entropy)
 
     def _sequence_parallel_outputs(
         self,

@@ -291,7 +291,7 @@ class OffloadEngine(TrainingEngine):
             than one rank.
     """
 
-    recomputes_layers = True  # backward reruns each layer: no shared prompts (see TrainingEngine)
+    recomputes_layers: ClassVar[bool] = True  # backward reruns each layer: no shared prompts
 
     name = "offload"
     streams_on_cpu: ClassVar[bool] = False

@@ -102,8 +102,8 @@ def _demo(root: str) -> list[str]:
         "rollout.n=8",
         # one optimizer step per step: on-policy, so the old-log-prob forward pass is skipped
         "actor.ppo_mini_batch_size=8",
-        # One group of 8 responses per micro-batch: model.share_prompt runs its prompt once (about 90 tokens
-        # and 8 x 16 response tokens instead of 8 x 106), which also bounds the activations kept for backward
+        # One group of 8 responses per micro-batch: model.share_prompt runs its prompt once (about 60 tokens
+        # and 8 x 16 response tokens instead of 8 x 76), which also bounds the activations kept for backward
         # (about 75 KB per token and layer in float32; 32 unshared rows held ~5 GiB and peaked at 7-10 GiB).
         "actor.ppo_micro_batch_size_per_device=8",
         "actor.optim.lr=2e-5",

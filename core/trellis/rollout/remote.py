@@ -25,15 +25,17 @@ from trellis.rollout.base import RolloutReplica, has_items
 from trellis.rollout.sampling import SamplingParams, TokenOutput
 
 
-def _set_threads(config: Any) -> None:
-    """The torch threads of a replica's process (``TRELLIS_NUM_THREADS``), and whether its CPU
-    computations flush denormals (``trainer.flush_denormal``)."""
+def set_process_cpu(config: Any) -> None:
+    """The CPU settings of a worker's or replica's process: its torch threads (``TRELLIS_NUM_THREADS``)
+    and whether its CPU computations flush denormals (``trainer.flush_denormal``; a config without a
+    ``trainer`` section takes the default, on). A Ray actor is a process of its own: the driver's
+    settings never reach it."""
     import torch
 
     from trellis.device.cpu import set_flush_denormal
 
     torch.set_num_threads(int(os.environ.get("TRELLIS_NUM_THREADS", torch.get_num_threads())))
-    set_flush_denormal(config.trainer.flush_denormal)
+    set_flush_denormal(bool(getattr(getattr(config, "trainer", None), "flush_denormal", True)))
 
 
 async def wake_and_resume(replica: Any) -> None:
@@ -58,7 +60,7 @@ class ReplicaActor:
     def __init__(self, replica_rank: int, config: Any) -> None:
         from trellis.registries import rollout_replicas
 
-        _set_threads(config)
+        set_process_cpu(config)
         self.config = config
         self.replica_rank = replica_rank
         self.replica = rollout_replicas.get(config.rollout.name)(replica_rank, config.rollout, config.model)
@@ -234,7 +236,7 @@ class AgentWorker:
         from trellis.rollout.agent_loop import AgentLoopManager
         from trellis.utils.tokenizer import hf_processor, hf_tokenizer
 
-        _set_threads(config)
+        set_process_cpu(config)
         self.config = config
         handles = []
         for rank, actor, pid in replicas:

@@ -34,7 +34,6 @@ from trellis.algorithms import objective
 from trellis.algorithms.aggregation import GlobalBatchInfo
 from trellis.config.base import ConfigValueError
 from trellis.data.protocol import DataProto
-from trellis.device.cpu import set_flush_denormal
 from trellis.distributed import (
     Dispatch,
     Worker,
@@ -44,6 +43,7 @@ from trellis.distributed import (
 )
 from trellis.distributed.dispatch import get_dispatch_mode
 from trellis.distributed.worker import mesh_names
+from trellis.rollout.remote import set_process_cpu
 
 if TYPE_CHECKING:
     from trellis.checkpoint.sync import WeightSyncManager
@@ -110,9 +110,7 @@ class _Role(Worker):
     def __init__(self, config: Any, reward_fn: Any = None) -> None:
         self.config = config
         self.reward_fn = reward_fn
-        torch.set_num_threads(int(os.environ.get("TRELLIS_NUM_THREADS", torch.get_num_threads())))
-        # a process of its own starts without it (a config without a trainer section: the default, on)
-        set_flush_denormal(bool(getattr(getattr(config, "trainer", None), "flush_denormal", True)))
+        set_process_cpu(config)
         if "RANK" in os.environ:  # a process of its own (a Ray actor): seed its global generators, which
             seed_process(config.trainer.seed + self.rank)  # the driver's seeding never reached
         # each worker's data-parallel rank on each mesh the methods are dispatched over ("actor" for the
