@@ -77,8 +77,9 @@ def test_tiny_llama_batches_continuously_and_sliding_window_models_do_not():
     assert supports_continuous(sliding) is False
 
 
+@pytest.mark.parametrize("decode_step", ["auto", "hf"])
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
-def test_long_tail_requests_match_the_generate_path_and_a_teacher_forced_pass(base, params):
+def test_long_tail_requests_match_the_generate_path_and_a_teacher_forced_pass(base, params, decode_step):
     """Seeded requests of uneven prompts and lengths get the same tokens from a continuous session as
     from one generate call; their log-probs equal a teacher-forced forward pass to 1e-4 (fp32)."""
     model, tok = base
@@ -92,9 +93,10 @@ def test_long_tail_requests_match_the_generate_path_and_a_teacher_forced_pass(ba
         ]
         return await asyncio.gather(*calls), replica.decode_stats
 
-    continuous, stats = run(model, tok, body, batching="continuous")
+    continuous, stats = run(model, tok, body, batching="continuous", decode_step=decode_step)
     static, static_stats = run(model, tok, body, batching="static")
     assert stats.steps == max(lengths) - 1  # the first token of each row comes from its prefill
+    assert stats.lean_steps == (stats.steps if decode_step == "auto" else 0)
     assert static_stats.steps == 0  # batching=static never decodes continuously
     for p, m, a, b in zip(ps, lengths, continuous, static, strict=True):
         assert len(a.token_ids) == m and a.stop_reason == "length"
@@ -233,7 +235,8 @@ def test_a_failing_forward_reaches_every_waiting_caller_and_the_replica_recovers
     model, tok = base
     model = copy.deepcopy(model)
     ps = prompts(tok, 3)
-    real = model.forward
+    embed = model.model.embed_tokens  # every prefill and every decoding step (lean or not) embeds
+    real = embed.forward
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -242,7 +245,7 @@ def test_a_failing_forward_reaches_every_waiting_caller_and_the_replica_recovers
             raise RuntimeError("injected forward failure")
         return real(*args, **kwargs)
 
-    model.forward = flaky
+    embed.forward = flaky
 
     async def body(replica):
         outs = await asyncio.gather(

@@ -90,7 +90,10 @@ worker's own weights); ``colocated`` and ``standalone`` both load a private copy
 
 ``engine_kwargs`` understood: ``max_batch_size`` (default 256: rows decoded at once), ``batch_wait_s``
 (0.002), ``cpu_threads`` (``"auto"``, or an int >= 1; only used when the model is on the CPU),
-``batching`` (``"continuous"``, or ``"static"``: one ``generate`` per batch).
+``batching`` (``"continuous"``, or ``"static"``: one ``generate`` per batch), ``decode_step``
+(``"auto"``: the continuous decoder's steps skip the ``transformers`` forward for Llama-family
+models, see :mod:`trellis.rollout.hf_lean`; ``"lean"``: that, or an error naming why the model does
+not qualify; ``"hf"``: always the model's own forward).
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ from trellis.config.base import schema_default
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout.base import RolloutReplica, has_items
 from trellis.rollout.hf_continuous import ContinuousDecoder, DecodeStats, Session, supports_continuous
+from trellis.rollout.hf_lean import LeanDecoder, lean_unsupported
 from trellis.rollout.hf_sampling import RowRule, stop_string_cut, uniform_streams
 from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
 from trellis.utils.settings import setting
@@ -204,6 +208,12 @@ class HFRolloutReplica(RolloutReplica):
         if batching not in ("continuous", "static"):
             raise ValueError(f'engine_kwargs.batching must be "continuous" or "static", got {batching!r}.')
         self.batching: str = batching
+        decode_step = kwargs.get("decode_step", "auto")
+        if decode_step not in ("auto", "lean", "hf"):
+            raise ValueError(
+                f'engine_kwargs.decode_step must be "auto", "lean" or "hf", got {decode_step!r}.'
+            )
+        self.decode_step: str = decode_step
         partial = _setting(rollout_config, RolloutConfig, "partial_rollout")
         if not isinstance(partial, bool):
             raise ValueError(f"rollout.partial_rollout must be true or false, got {partial!r}.")
@@ -533,6 +543,7 @@ class HFRolloutReplica(RolloutReplica):
             loop.call_soon_threadsafe(_deliver, resume, req, segment, finished)
 
         def run() -> None:
+            lean = self._lean_decoder()
             decoder = ContinuousDecoder(
                 self.model,
                 self.device,
@@ -547,6 +558,7 @@ class HFRolloutReplica(RolloutReplica):
                 interrupt=self._interrupt if self.partial_rollout else None,
                 admitted=batch,
                 stats=self.decode_stats,
+                lean=lean,
             )
             was_training = self.model.training
             self.model.eval()  # no dropout while generating, whatever mode training left the module in
@@ -576,6 +588,25 @@ class HFRolloutReplica(RolloutReplica):
         finally:
             self._session = None
             resume.extend(session.leftovers())
+
+    def _lean_decoder(self) -> LeanDecoder | None:
+        """A :class:`~trellis.rollout.hf_lean.LeanDecoder` for this session (weights packed now), or None
+        (``decode_step="hf"``, or ``"auto"`` and a model it does not take).
+
+        Raises:
+            ValueError: ``decode_step="lean"`` and a model it does not take (the reason named).
+        """
+        if self.decode_step == "hf":
+            return None
+        reason = lean_unsupported(self.model)
+        if reason is not None:
+            if self.decode_step == "lean":
+                raise ValueError(
+                    f'engine_kwargs.decode_step="lean" cannot decode this model: {reason}. '
+                    'Use "auto" (falls back to the model\'s forward) or "hf".'
+                )
+            return None
+        return LeanDecoder(self.model, self.max_batch_size)
 
     def _vision_processor(self) -> Any:
         """The model's multimodal processor (loaded from ``model.path`` on first use)."""

@@ -18,7 +18,11 @@ attention mask marking each row's real tokens and explicit position ids per row,
 never shifts a row's positions. A newcomer's cache is padded on the left to the wider of the two
 widths (or the running rows are) and concatenated along the batch; when rows leave, columns
 that are padding in every remaining row are cut from the left. A row's log-probs are those of a
-teacher-forced forward pass of its own tokens (padding is masked out), to float rounding.
+teacher-forced forward pass of its own tokens (padding is masked out), to float rounding. For
+Llama-family models the decoding steps skip the ``transformers`` forward
+(:class:`~trellis.rollout.hf_lean.LeanDecoder`): the cache is then per-layer buffers with room for
+the rows' remaining tokens (:class:`~trellis.rollout.hf_lean.KVBuffers`), written in place instead
+of concatenated every step; joins and retirements copy them once.
 
 Sampling is :class:`~trellis.rollout.hf_sampling.RowRule` with each row's own uniform stream, as
 in the ``generate`` path, so a seeded request gets the same tokens either way; unseeded rows draw
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trellis.engine import shared_prompt
+from trellis.rollout.hf_lean import KVBuffers, LeanDecoder
 from trellis.rollout.hf_sampling import RowRule, uniform_streams
 from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
 
@@ -61,6 +66,7 @@ class DecodeStats:
     prefills: int = 0  # admissions: prefill passes of newcomers
     peak_rows: int = 0  # most rows decoded at once
     shared_prefill_rows: int = 0  # admitted rows whose context another row of their prefill computed
+    lean_steps: int = 0  # decoding steps run by the LeanDecoder (the rest by the transformers forward)
 
 
 @dataclass
@@ -150,6 +156,8 @@ class ContinuousDecoder:
         admitted: a list each request taken from the session is appended to (the caller fails them
             all if the decoder raises).
         stats: counters to update (a fresh one when None).
+        lean: decode steps with this :class:`~trellis.rollout.hf_lean.LeanDecoder` over in-place
+            :class:`~trellis.rollout.hf_lean.KVBuffers` (None: the model's own forward and cache).
     """
 
     def __init__(
@@ -168,6 +176,7 @@ class ContinuousDecoder:
         interrupt: threading.Event | None = None,
         admitted: list[Any] | None = None,
         stats: DecodeStats | None = None,
+        lean: LeanDecoder | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -182,7 +191,8 @@ class ContinuousDecoder:
         self.interrupt = interrupt
         self.admitted = admitted if admitted is not None else []
         self.rows: list[_Row] = []
-        self.cache: Any = None  # DynamicCache of the running rows
+        self.lean = lean
+        self.cache: Any = None  # the running rows' KVBuffers (lean) or DynamicCache
         self.mask: Any = None  # (rows, width) long: 1 on real tokens
         self.positions: Any = None  # (rows,) long: each row's next position id
         self.last: Any = None  # (rows,) long: each row's last sampled token (the next step's input)
@@ -256,7 +266,7 @@ class ContinuousDecoder:
             params, self.generator, max(p.max_tokens for p in params), [len(r.prefix_ids) for r in requests]
         ).to(self.device)
         first = len(self.rows)
-        self._join(cache, mask.to(self.device), streams)
+        self._join(cache, mask.to(self.device), streams, rows)
         self.rows += rows
         self.positions = torch.cat([self.positions, mask.sum(1).to(self.device)])
         self.last = torch.cat([self.last, torch.zeros(len(rows), dtype=torch.long, device=self.device)])
@@ -270,6 +280,13 @@ class ContinuousDecoder:
 
         ones = torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)
         self.mask = torch.cat([self.mask, ones], dim=1)
+        if self.lean is not None:
+            logits = self.lean.step(self.last, self.positions, self.mask, self.cache)
+            self.positions += 1
+            self.stats.steps += 1
+            self.stats.lean_steps += 1
+            self._sample(logits, 0)
+            return
         out = self.model(
             input_ids=self.last[:, None],
             attention_mask=self.mask,
@@ -324,24 +341,29 @@ class ContinuousDecoder:
 
     # ------------------------------------------------------------------ the KV rows
 
-    def _join(self, cache: Any, mask: Any, streams: Any) -> None:
-        """Append a prefilled cache (with its mask and uniform streams) to the running rows."""
+    def _join(self, cache: Any, mask: Any, streams: Any, joining: list[_Row]) -> None:
+        """Append the prefilled cache of the rows ``joining`` (with their mask and uniform streams) to
+        the running rows."""
         import torch
         import torch.nn.functional as F
 
         self.rule = None
         if not self.rows:
-            self.cache, self.mask, self.uniforms = cache, mask, streams
+            self.mask, self.uniforms = mask, streams
             self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
             self.last = torch.zeros(0, dtype=torch.long, device=self.device)
+            self.cache = cache
+            if self.lean is not None:
+                self.cache = KVBuffers(_pairs(cache), mask.shape[1] + _room(joining))
             return
         old, new = self.mask.shape[1], mask.shape[1]
         width = max(old, new)
-        for layer, joining in zip(self.cache.layers, cache.layers, strict=True):
-            layer.keys = torch.cat([_left_pad(layer.keys, width - old), _left_pad(joining.keys, width - new)])
-            layer.values = torch.cat(
-                [_left_pad(layer.values, width - old), _left_pad(joining.values, width - new)]
-            )
+        pairs = [
+            (torch.cat([_left_pad(k, width - old), _left_pad(k2, width - new)]),
+             torch.cat([_left_pad(v, width - old), _left_pad(v2, width - new)]))
+            for (k, v), (k2, v2) in zip(_pairs(self.cache), _pairs(cache), strict=True)
+        ]  # fmt: skip
+        self._store(pairs, width + _room(self.rows + joining))
         self.mask = torch.cat([F.pad(self.mask, (width - old, 0)), F.pad(mask, (width - new, 0))])
         steps = max(self.uniforms.shape[1], streams.shape[1])
         self.uniforms = torch.cat(
@@ -365,13 +387,33 @@ class ContinuousDecoder:
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
         self.mask = self.mask[keep]
         lead = int(self.mask.any(0).int().argmax())  # first column some row still uses
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[keep, :, lead:]
-            layer.values = layer.values[keep, :, lead:]
+        pairs = [(k[keep, :, lead:], v[keep, :, lead:]) for k, v in _pairs(self.cache)]
         self.mask = self.mask[:, lead:]
+        self._store(pairs, self.mask.shape[1] + _room(self.rows))
         self.positions = self.positions[keep]
         self.last = self.last[keep]
         self.uniforms = self.uniforms[keep]
+
+    def _store(self, pairs: list[tuple[Any, Any]], capacity: int) -> None:
+        """Make ``pairs`` (per layer keys and values) the running rows' cache, with room for
+        ``capacity`` columns when decoding lean."""
+        if self.lean is not None:
+            self.cache = KVBuffers(pairs, capacity)
+            return
+        for layer, (keys, values) in zip(self.cache.layers, pairs, strict=True):
+            layer.keys, layer.values = keys, values
+
+
+def _pairs(cache: Any) -> list[tuple[Any, Any]]:
+    """Per layer ``(keys, values)`` of a ``DynamicCache`` or :class:`KVBuffers` (the used columns)."""
+    if isinstance(cache, KVBuffers):
+        return cache.pairs()
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _room(rows: list[_Row]) -> int:
+    """The most decoding steps any of ``rows`` can still take (columns its cache may need)."""
+    return max((r.params.max_tokens - len(r.tokens) for r in rows), default=0)
 
 
 def _left_pad(x: Any, n: int) -> Any:

@@ -1,0 +1,140 @@
+"""The hf replica's lean decoding step (``trellis.rollout.hf_lean``): the same logits as the
+``transformers`` forward over left-padded rows, step after step, for Llama and Qwen2 (biases), with
+and without MKL-packed weights; the models it refuses, and why; the replica's ``decode_step``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from trellis.config.schema import ModelConfig, RolloutConfig
+from trellis.rollout import SamplingParams
+from trellis.rollout.hf import HFRolloutReplica
+from trellis.rollout.hf_lean import GROWTH, KVBuffers, LeanDecoder, lean_unsupported, mkl_packing_available
+
+SMALL = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **{**SMALL, **overrides})).eval()
+
+
+def qwen2(**overrides):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **{**SMALL, **overrides})).eval()
+
+
+def _left_padded(rows: list[list[int]]):
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def _compare(model, pack, steps=6):
+    """Logits of ``steps`` decoding steps: the transformers forward vs the lean step, same tokens fed."""
+    ids, mask = _left_padded([[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]])
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = out.past_key_values
+        kv = KVBuffers([(layer.keys, layer.values) for layer in cache.layers], ids.shape[1] + 2)
+        lean = LeanDecoder(model, rows=3, pack=pack)
+        nxt, pos = out.logits[:, -1].argmax(-1), mask.sum(1)
+        diffs = []
+        for _ in range(steps):  # capacity 2 past the prompt: the third step grows the buffers
+            mask = torch.cat([mask, torch.ones((3, 1), dtype=torch.long)], 1)
+            ref = model(
+                input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
+                cache=cache, use_cache=True,
+            ).logits[:, -1]  # fmt: skip
+            got = lean.step(nxt, pos, mask, kv)
+            diffs.append(float((ref - got).abs().max()))
+            assert got.shape == ref.shape == (3, model.config.vocab_size)
+            nxt, pos = ref.argmax(-1), pos + 1
+    assert kv.width == ids.shape[1] + steps and kv.capacity == ids.shape[1] + 2 + GROWTH
+    return diffs, lean
+
+
+@pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
+def test_the_lean_step_gives_the_transformers_logits(build):
+    model = build()
+    if build is qwen2:
+        assert model.model.layers[0].self_attn.q_proj.bias is not None  # the biases are used
+    diffs, lean = _compare(model, pack=False)
+    assert max(diffs) < 1e-5 and not lean.packed
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
+def test_mkl_packed_weights_give_the_same_logits():
+    model = llama()
+    diffs, lean = _compare(model, pack=True)
+    assert lean.packed and max(diffs) < 1e-5
+    auto = LeanDecoder(model, rows=4)  # fp32 on the CPU: packs by default
+    assert auto.packed
+    assert not LeanDecoder(llama().to(torch.bfloat16), rows=4).packed  # MKL's packed GEMM is fp32
+
+
+def test_models_the_lean_step_does_not_take_are_named_with_the_reason():
+    assert lean_unsupported(llama()) is None and lean_unsupported(qwen2()) is None
+    sliding = qwen2(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 2)
+    assert lean_unsupported(sliding) == "a sliding-window attention layer"
+    dynamic = llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert "rope_type 'dynamic'" in lean_unsupported(dynamic)
+    assert lean_unsupported(llama(hidden_act="gelu")) == "hidden_act is 'gelu'"
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+    assert lean_unsupported(gpt2) == "model_type 'gpt2' is not one of ('llama', 'qwen2')"
+    with pytest.raises(ValueError, match="LeanDecoder cannot decode this model: hidden_act is 'gelu'"):
+        LeanDecoder(llama(hidden_act="gelu"), rows=2)
+
+
+def _replica_run(model, tok_ids, **engine_kwargs):
+    async def main():
+        replica = HFRolloutReplica(0, RolloutConfig(seed=0, engine_kwargs=engine_kwargs), ModelConfig())
+        await replica.init("hybrid", model=model, tokenizer=None)
+        try:
+            out = await replica.generate(tok_ids, SamplingParams(max_tokens=5, seed=3), "r0")
+            return out, replica.decode_stats
+        finally:
+            await replica.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_decode_step_chooses_the_path_and_lean_refuses_a_model_it_cannot_take():
+    model = llama()
+    model.generation_config.eos_token_id = model.config.vocab_size  # runs to max_tokens
+    lean, lean_stats = _replica_run(model, [5, 6, 7], decode_step="lean")
+    hf, hf_stats = _replica_run(model, [5, 6, 7], decode_step="hf")
+    assert lean.token_ids == hf.token_ids and len(lean.token_ids) == 5
+    assert (lean_stats.lean_steps, hf_stats.lean_steps) == (4, 0) and hf_stats.steps == 4
+    gelu = llama(hidden_act="gelu")
+    gelu.generation_config.eos_token_id = gelu.config.vocab_size
+    auto, auto_stats = _replica_run(gelu, [5, 6, 7])  # "auto": the model's own forward
+    assert len(auto.token_ids) == 5 and (auto_stats.steps, auto_stats.lean_steps) == (4, 0)
+    with pytest.raises(ValueError, match=r'decode_step="lean" cannot decode this model: hidden_act is .gelu'):
+        _replica_run(gelu, [5, 6, 7], decode_step="lean")
+    with pytest.raises(ValueError, match=r'decode_step must be "auto", "lean" or "hf", got .fast.'):
+        HFRolloutReplica(0, RolloutConfig(engine_kwargs={"decode_step": "fast"}), ModelConfig())
