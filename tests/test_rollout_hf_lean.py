@@ -86,13 +86,17 @@ def test_the_lean_step_gives_the_transformers_logits(build):
 
 
 @pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
-def test_mkl_packed_weights_give_the_same_logits():
-    model = llama()
-    diffs, lean = _compare(model, pack=True)
-    assert lean.packed and max(diffs) < 1e-5
-    auto = LeanDecoder(model, rows=4)  # fp32 on the CPU: packs by default
-    assert auto.packed
-    assert not LeanDecoder(llama().to(torch.bfloat16), rows=4).packed  # MKL's packed GEMM is fp32
+def test_mkl_packed_weights_give_the_same_logits(monkeypatch):
+    from trellis.rollout import hf_lean
+
+    assert not LeanDecoder(llama(), rows=4).packed  # every weight is under PACK_MIN_ELEMENTS
+    wide = llama(vocab_size=2048)  # lm_head 2048 x 32 = PACK_MIN_ELEMENTS: fp32 on the CPU packs it
+    auto = LeanDecoder(wide, rows=4)
+    assert auto.packed and list(auto._packed) == [id(wide.lm_head.weight)]
+    assert not LeanDecoder(llama(vocab_size=2048).to(torch.bfloat16), rows=4).packed  # MKL's is fp32
+    monkeypatch.setattr(hf_lean, "PACK_MIN_ELEMENTS", 1)
+    diffs, lean = _compare(llama(), pack=True)
+    assert len(lean._packed) == 2 * 7 + 1 and max(diffs) < 1e-5  # 7 projections a layer + lm_head
 
 
 def test_models_the_lean_step_does_not_take_are_named_with_the_reason():

@@ -35,6 +35,8 @@ FIXED_ROPE = ("default", "linear", "llama3")
 """Rotary types whose inverse frequencies do not change with the sequence (a buffer of the model)."""
 GROWTH = 64
 """Columns added when a buffer is full (a row resumed with more tokens than planned; rare)."""
+PACK_MIN_ELEMENTS = 1 << 16
+"""Smallest weight MKL packing is used for: below it the op's call costs more than it saves."""
 
 
 def lean_unsupported(model: Any) -> str | None:
@@ -128,9 +130,9 @@ class LeanDecoder:
     Args:
         model: the causal LM (its parameters are read at every step).
         rows: the most rows a step decodes (MKL's packing hint).
-        pack: multiply by MKL-packed copies of the weights (None: when the weights are fp32 on a CPU
-            and :func:`mkl_packing_available`). Packed copies are taken here: build a new decoder
-            after the weights change.
+        pack: multiply by MKL-packed copies of the weights of at least :data:`PACK_MIN_ELEMENTS`
+            (None: when the weights are fp32 on a CPU and :func:`mkl_packing_available`). Packed
+            copies are taken here: build a new decoder after the weights change.
     """
 
     def __init__(self, model: Any, rows: int, pack: bool | None = None) -> None:
@@ -153,7 +155,11 @@ class LeanDecoder:
         if pack:
             try:
                 for module in model.modules():
-                    if isinstance(module, torch.nn.Linear) and id(module.weight) not in self._packed:
+                    if (
+                        isinstance(module, torch.nn.Linear)
+                        and module.weight.numel() >= PACK_MIN_ELEMENTS
+                        and id(module.weight) not in self._packed
+                    ):
                         reorder = torch.ops.mkl._mkl_reorder_linear_weight
                         self._packed[id(module.weight)] = reorder(module.weight.detach(), self.rows)
             except RuntimeError as exc:  # a build whose op refuses these weights: plain matmuls
@@ -178,7 +184,10 @@ class LeanDecoder:
     def _norm(x: Any, norm: Any) -> Any:
         """``transformers``' RMS norm: in fp32, scaled by the weight in the input's dtype."""
         import torch
+        import torch.nn.functional as F
 
+        if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:  # one fused op
+            return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
         return norm.weight * h.to(x.dtype)
