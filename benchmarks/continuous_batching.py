@@ -14,8 +14,10 @@ Three sides generate the same requests:
   threads the replica would use (one for models under ``AUTO_SINGLE_THREAD_PARAMS``, else torch's);
 - replica, static: ``HFRolloutReplica`` with ``engine_kwargs.batching="static"`` (one ``generate``
   per batch, per-row stopping, log-probs on);
-- replica, continuous: the default ``batching="continuous"``: rows leave the batch as they finish
-  (log-probs on).
+- replica, continuous, hf step: ``batching="continuous"`` with ``decode_step="hf"``: rows leave the
+  batch as they finish (log-probs on), each decoding step one ``transformers`` forward;
+- replica, continuous: the defaults (``decode_step="auto"``): the same, with the lean decoding step
+  of :mod:`trellis.rollout.hf_lean` for Llama-family models (both models here).
 
 Every request is issued at once, so no side waits for arrivals: the gain of the continuous side
 is that the batch shrinks as short rows end (each step costs less) and that its decoding loop
@@ -95,11 +97,11 @@ def time_padded(model, tokenizer, prompts, lengths, repeats) -> tuple[float, int
     return _median_time(once, repeats)
 
 
-def time_replica(model, tokenizer, prompts, lengths, repeats, batching) -> tuple[float, int, float]:
+def time_replica(model, tokenizer, prompts, lengths, repeats, engine_kwargs) -> tuple[float, int, float]:
     """Median seconds, tokens, and the mean rows per decoding step (continuous only, else 0)."""
 
     async def main() -> tuple[float, int, float]:
-        config = RolloutConfig(seed=0, engine_kwargs={"batching": batching})
+        config = RolloutConfig(seed=0, engine_kwargs=engine_kwargs)
         replica = HFRolloutReplica(0, config, ModelConfig())
         await replica.init("hybrid", model=model, tokenizer=tokenizer)
 
@@ -138,9 +140,13 @@ def bench(label, path, args, repeats) -> list[tuple]:
     )
     sides = {"padded generate": (*time_padded(model, tokenizer, prompts, lengths, repeats), 0.0)}
     print(f"  {label} padded generate: {sides['padded generate'][0]:.2f} s", file=sys.stderr, flush=True)
-    for batching in ("static", "continuous"):
-        side = f"replica {batching}"
-        sides[side] = time_replica(model, tokenizer, prompts, lengths, repeats, batching)
+    replica_sides = {
+        "replica static": {"batching": "static"},
+        "continuous hf step": {"batching": "continuous", "decode_step": "hf"},
+        "replica continuous": {"batching": "continuous"},
+    }
+    for side, engine_kwargs in replica_sides.items():
+        sides[side] = time_replica(model, tokenizer, prompts, lengths, repeats, engine_kwargs)
         print(f"  {label} {side}: {sides[side][0]:.2f} s", file=sys.stderr, flush=True)
     base = sides["padded generate"][1] / sides["padded generate"][0]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -193,6 +199,10 @@ def main() -> None:
             bound = rows_per_step * bandwidth / weight_bytes  # tokens/s if each step only read the weights
             line += f" {rows_per_step:>9.1f} {rate / bound:>8.1%}"
         print(line)
+    for label in dict.fromkeys(row[0] for row in rows):
+        rate = {row[1]: row[4] for row in rows if row[0] == label}
+        gain = rate["replica continuous"] / rate["continuous hf step"]
+        print(f"{label}: the lean decoding step makes {gain:.2f}x the tokens/s of the hf step")
     if bandwidth:
         print(
             f"bound: decode tokens/s if each step only read the weights once at {bandwidth / 1e9:.1f} GB/s, "

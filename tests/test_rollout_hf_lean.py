@@ -1,6 +1,6 @@
 """The hf replica's lean decoding step (``trellis.rollout.hf_lean``): the same logits as the
 ``transformers`` forward over left-padded rows, step after step, for Llama and Qwen2 (biases), with
-and without MKL-packed weights; the models it refuses, and why; the replica's ``decode_step``."""
+and without transposed weight copies; the models it refuses, and why; the replica's ``decode_step``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from trellis.config.schema import ModelConfig, RolloutConfig
-from trellis.rollout import SamplingParams
+from trellis.rollout import SamplingParams, hf_lean
 from trellis.rollout.hf import HFRolloutReplica
-from trellis.rollout.hf_lean import GROWTH, KVBuffers, LeanDecoder, lean_unsupported, mkl_packing_available
+from trellis.rollout.hf_lean import GROWTH, KVBuffers, LeanDecoder, lean_unsupported
 
 SMALL = dict(
     vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2
@@ -51,28 +51,33 @@ def _left_padded(rows: list[list[int]]):
     return ids, mask
 
 
-def _compare(model, pack, steps=6):
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [18], [19, 20, 21, 22, 23]]
+
+
+def _compare(model, transpose, steps=6, prompts=PROMPTS):
     """Logits of ``steps`` decoding steps: the transformers forward vs the lean step, same tokens fed."""
-    ids, mask = _left_padded([[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]])
+    ids, mask = _left_padded(prompts)
+    n = len(prompts)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         cache = out.past_key_values
         kv = KVBuffers([(layer.keys, layer.values) for layer in cache.layers], ids.shape[1] + 2)
-        lean = LeanDecoder(model, rows=3, pack=pack)
+        lean = LeanDecoder(model, transpose=transpose)
         nxt, pos = out.logits[:, -1].argmax(-1), mask.sum(1)
         diffs = []
         for _ in range(steps):  # capacity 2 past the prompt: the third step grows the buffers
-            mask = torch.cat([mask, torch.ones((3, 1), dtype=torch.long)], 1)
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], 1)
             ref = model(
                 input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
                 cache=cache, use_cache=True,
             ).logits[:, -1]  # fmt: skip
             got = lean.step(nxt, pos, mask, kv)
             diffs.append(float((ref - got).abs().max()))
-            assert got.shape == ref.shape == (3, model.config.vocab_size)
+            assert got.shape == ref.shape == (n, model.config.vocab_size)
             nxt, pos = ref.argmax(-1), pos + 1
-    assert kv.width == ids.shape[1] + steps and kv.capacity == ids.shape[1] + 2 + GROWTH
+    assert kv.width == ids.shape[1] + steps
+    assert kv.capacity == ids.shape[1] + 2 + (GROWTH if steps > 2 else 0)
     return diffs, lean
 
 
@@ -81,22 +86,28 @@ def test_the_lean_step_gives_the_transformers_logits(build):
     model = build()
     if build is qwen2:
         assert model.model.layers[0].self_attn.q_proj.bias is not None  # the biases are used
-    diffs, lean = _compare(model, pack=False)
-    assert max(diffs) < 1e-5 and not lean.packed
+    diffs, lean = _compare(model, transpose=False)
+    assert max(diffs) < 1e-5 and lean.transposed_weights == 0
 
 
-@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
-def test_mkl_packed_weights_give_the_same_logits(monkeypatch):
-    from trellis.rollout import hf_lean
-
-    assert not LeanDecoder(llama(), rows=4).packed  # every weight is under PACK_MIN_ELEMENTS
-    wide = llama(vocab_size=2048)  # lm_head 2048 x 32 = PACK_MIN_ELEMENTS: fp32 on the CPU packs it
-    auto = LeanDecoder(wide, rows=4)
-    assert auto.packed and list(auto._packed) == [id(wide.lm_head.weight)]
-    assert not LeanDecoder(llama(vocab_size=2048).to(torch.bfloat16), rows=4).packed  # MKL's is fp32
-    monkeypatch.setattr(hf_lean, "PACK_MIN_ELEMENTS", 1)
-    diffs, lean = _compare(llama(), pack=True)
-    assert len(lean._packed) == 2 * 7 + 1 and max(diffs) < 1e-5  # 7 projections a layer + lm_head
+def test_transposed_weight_copies_give_the_same_logits(monkeypatch):
+    assert LeanDecoder(llama()).transposed_weights == 0  # every weight is under TRANSPOSE_MIN_ELEMENTS
+    wide = llama(vocab_size=2048)  # lm_head 2048 x 32 = TRANSPOSE_MIN_ELEMENTS: on the CPU, copied
+    lean = LeanDecoder(wide)
+    assert lean.transposed_weights == 1 and lean._transposed[id(wide.lm_head.weight)].stride() == (2048, 1)
+    assert LeanDecoder(wide, transpose=False).transposed_weights == 0
+    monkeypatch.setattr(hf_lean, "TRANSPOSE_MIN_ELEMENTS", 1)
+    for model in (llama(), qwen2()):  # qwen2: the q/k/v biases go through addmm
+        diffs, lean = _compare(model, transpose=True)
+        assert lean.transposed_weights == 2 * 7 + 1 and max(diffs) < 1e-5  # 7 projections a layer + lm_head
+    calls = []
+    monkeypatch.setattr(torch, "mm", lambda *a: calls.append(a[0].shape[0]) or torch.matmul(*a))
+    monkeypatch.setattr(torch, "addmm", lambda b, x, w: calls.append(x.shape[0]) or torch.matmul(x, w) + b)
+    _compare(llama(), transpose=True, steps=1)
+    assert calls == [5] * (2 * 7 + 1)  # five rows: every projection through its transposed copy
+    calls.clear()
+    _compare(llama(), transpose=True, steps=1, prompts=PROMPTS[:3])
+    assert calls == []  # three rows: under TRANSPOSE_MIN_ROWS, the original layout (a GEMV)
 
 
 def test_models_the_lean_step_does_not_take_are_named_with_the_reason():
@@ -111,7 +122,7 @@ def test_models_the_lean_step_does_not_take_are_named_with_the_reason():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
     assert lean_unsupported(gpt2) == "model_type 'gpt2' is not one of ('llama', 'qwen2')"
     with pytest.raises(ValueError, match="LeanDecoder cannot decode this model: hidden_act is 'gelu'"):
-        LeanDecoder(llama(hidden_act="gelu"), rows=2)
+        LeanDecoder(llama(hidden_act="gelu"))
 
 
 def _replica_run(model, tok_ids, **engine_kwargs):

@@ -590,8 +590,8 @@ class HFRolloutReplica(RolloutReplica):
             resume.extend(session.leftovers())
 
     def _lean_decoder(self) -> LeanDecoder | None:
-        """A :class:`~trellis.rollout.hf_lean.LeanDecoder` for this session (weights packed now), or None
-        (``decode_step="hf"``, or ``"auto"`` and a model it does not take).
+        """A :class:`~trellis.rollout.hf_lean.LeanDecoder` for this session (its weight copies taken now),
+        or None (``decode_step="hf"``, or ``"auto"`` and a model it does not take).
 
         Raises:
             ValueError: ``decode_step="lean"`` and a model it does not take (the reason named).
@@ -606,7 +606,7 @@ class HFRolloutReplica(RolloutReplica):
                     'Use "auto" (falls back to the model\'s forward) or "hf".'
                 )
             return None
-        return LeanDecoder(self.model, self.max_batch_size)
+        return LeanDecoder(self.model)
 
     def _vision_processor(self) -> Any:
         """The model's multimodal processor (loaded from ``model.path`` on first use)."""

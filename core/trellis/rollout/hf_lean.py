@@ -6,10 +6,11 @@ builds a 4-D mask, rotary tables, output records and a ``DynamicCache`` that con
 every layer's keys and values to append one column. :class:`LeanDecoder` computes the same step
 from the model's own modules and parameters (read at each step, so weight updates apply) with
 one scaled-dot-product attention per layer over :class:`KVBuffers`: per-layer key and value
-buffers with room for the running rows' remaining tokens, written in place. On x86 CPUs with
-MKL it also multiplies by weights packed for MKL's GEMM (``torch.ops.mkl._mkl_linear``), packed
-once per decoder, i.e. once per continuous session: 1.5-2.5x faster than ``F.linear`` at the
-8-64 rows a decode step multiplies, the same numbers.
+buffers with room for the running rows' remaining tokens, written in place. On the CPU it also
+multiplies the rows by transposed, contiguous copies of the large weights (``x @ Wᵀ`` with ``Wᵀ``
+stored ``(in, out)``), taken once per decoder, i.e. once per continuous session: at the 4-64 rows
+a decoding step multiplies, the CPU GEMM runs 1.3-2x faster on that layout than ``F.linear`` on
+the ``(out, in)`` one (``benchmarks/continuous_batching.py``, docs/performance.md).
 
 Which models (:func:`lean_unsupported` says why one is not): ``LlamaForCausalLM``-shaped decoders
 (``model.model.layers`` of ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj`` with SiLU,
@@ -24,10 +25,7 @@ continuous decoder's tokens and log-probs); ``rollout.engine_kwargs.decode_step:
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "qwen2")
 """``config.model_type`` values whose decoder layer :class:`LeanDecoder` reproduces."""
@@ -35,8 +33,11 @@ FIXED_ROPE = ("default", "linear", "llama3")
 """Rotary types whose inverse frequencies do not change with the sequence (a buffer of the model)."""
 GROWTH = 64
 """Columns added when a buffer is full (a row resumed with more tokens than planned; rare)."""
-PACK_MIN_ELEMENTS = 1 << 16
-"""Smallest weight MKL packing is used for: below it the op's call costs more than it saves."""
+TRANSPOSE_MIN_ELEMENTS = 1 << 16
+"""Smallest weight a transposed copy is kept of: smaller ones gain nothing on their layout."""
+TRANSPOSE_MIN_ROWS = 4
+"""Fewest rows multiplied through the transposed copy: one to three rows run a GEMV, at least as
+fast on the original layout."""
 
 
 def lean_unsupported(model: Any) -> str | None:
@@ -68,22 +69,6 @@ def lean_unsupported(model: Any) -> str | None:
         if getattr(attn, "sliding_window", None):
             return "a sliding-window attention layer"
     return None
-
-
-def mkl_packing_available() -> bool:
-    """Whether this torch build has MKL's packed GEMM (x86 builds with MKL)."""
-    import torch
-
-    ops = getattr(torch.ops, "mkl", None)
-    try:
-        return bool(
-            torch.backends.mkl.is_available()
-            and ops is not None
-            and hasattr(ops, "_mkl_linear")
-            and hasattr(ops, "_mkl_reorder_linear_weight")
-        )
-    except (AttributeError, RuntimeError):  # an op namespace that cannot be queried: no packing
-        return False
 
 
 class KVBuffers:
@@ -128,14 +113,13 @@ class LeanDecoder:
     """One decoding step of a model :func:`lean_unsupported` accepts; see the module docstring.
 
     Args:
-        model: the causal LM (its parameters are read at every step).
-        rows: the most rows a step decodes (MKL's packing hint).
-        pack: multiply by MKL-packed copies of the weights of at least :data:`PACK_MIN_ELEMENTS`
-            (None: when the weights are fp32 on a CPU and :func:`mkl_packing_available`). Packed
-            copies are taken here: build a new decoder after the weights change.
+        model: the causal LM (its parameters are read at every step, but for the transposed copies).
+        transpose: multiply by transposed contiguous copies of the weights of at least
+            :data:`TRANSPOSE_MIN_ELEMENTS` (None: when the model is on the CPU). The copies are
+            taken here: build a new decoder after the weights change.
     """
 
-    def __init__(self, model: Any, rows: int, pack: bool | None = None) -> None:
+    def __init__(self, model: Any, transpose: bool | None = None) -> None:
         import torch
 
         reason = lean_unsupported(model)
@@ -147,25 +131,19 @@ class LeanDecoder:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        weight = model.lm_head.weight
-        if pack is None:
-            pack = weight.device.type == "cpu" and weight.dtype == torch.float32 and mkl_packing_available()
-        self.rows = max(1, int(rows))
-        self._packed: dict[int, Any] = {}
-        if pack:
-            try:
+        if transpose is None:
+            transpose = model.lm_head.weight.device.type == "cpu"
+        self._transposed: dict[int, Any] = {}  # id(weight) -> weight.T, contiguous
+        if transpose:
+            with torch.no_grad():
                 for module in model.modules():
-                    if (
+                    large = (
                         isinstance(module, torch.nn.Linear)
-                        and module.weight.numel() >= PACK_MIN_ELEMENTS
-                        and id(module.weight) not in self._packed
-                    ):
-                        reorder = torch.ops.mkl._mkl_reorder_linear_weight
-                        self._packed[id(module.weight)] = reorder(module.weight.detach(), self.rows)
-            except RuntimeError as exc:  # a build whose op refuses these weights: plain matmuls
-                logger.info("MKL weight packing is unavailable (%s); decoding with F.linear.", exc)
-                self._packed = {}
-        self.packed = bool(self._packed)
+                        and module.weight.numel() >= TRANSPOSE_MIN_ELEMENTS
+                    )
+                    if large:
+                        self._transposed[id(module.weight)] = module.weight.detach().t().contiguous()
+        self.transposed_weights = len(self._transposed)
 
     # ------------------------------------------------------------------ pieces
 
@@ -173,11 +151,14 @@ class LeanDecoder:
         import torch
         import torch.nn.functional as F
 
-        packed = self._packed.get(id(module.weight))
-        if packed is None:
-            return F.linear(x, module.weight, module.bias)
+        transposed = self._transposed.get(id(module.weight))
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkl._mkl_linear(flat, packed, module.weight, module.bias, self.rows)
+        if transposed is None or flat.shape[0] < TRANSPOSE_MIN_ROWS:
+            return F.linear(x, module.weight, module.bias)
+        if module.bias is None:
+            out = torch.mm(flat, transposed)
+        else:
+            out = torch.addmm(module.bias, flat, transposed)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
