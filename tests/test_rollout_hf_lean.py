@@ -153,3 +153,18 @@ def test_decode_step_chooses_the_path_and_lean_refuses_a_model_it_cannot_take():
         _replica_run(gelu, [5, 6, 7], decode_step="lean")
     with pytest.raises(ValueError, match=r'decode_step must be "auto", "lean" or "hf", got .fast.'):
         HFRolloutReplica(0, RolloutConfig(engine_kwargs={"decode_step": "fast"}), ModelConfig())
+
+
+def test_kv_buffers_keep_rows_cut_leading_columns_and_grow():
+    keys = torch.arange(4 * 2 * 5 * 3, dtype=torch.float32).view(4, 2, 5, 3)
+    kv = KVBuffers([(keys, -keys)], capacity=7)
+    assert (kv.width, kv.capacity) == (5, 7) and torch.equal(kv.pairs()[0][0], keys)
+    kept = kv.select(torch.tensor([1, 3]), lead=2, capacity=9)
+    k, v = kept.pairs()[0]
+    assert (kept.width, kept.capacity) == (3, 9)
+    assert torch.equal(k, keys[[1, 3], :, 2:]) and torch.equal(v, -keys[[1, 3], :, 2:])
+    assert torch.equal(kv.pairs()[0][0], keys)  # the old buffers are left as they were
+    kept.width = kept.capacity  # full: the next step's column is past the end
+    before = kept.pairs()[0][0].clone()
+    kept.make_room()
+    assert kept.capacity == 9 + GROWTH and torch.equal(kept.pairs()[0][0], before)

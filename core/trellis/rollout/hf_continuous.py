@@ -387,9 +387,11 @@ class ContinuousDecoder:
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
         self.mask = self.mask[keep]
         lead = int(self.mask.any(0).int().argmax())  # first column some row still uses
-        pairs = [(k[keep, :, lead:], v[keep, :, lead:]) for k, v in _pairs(self.cache)]
         self.mask = self.mask[:, lead:]
-        self._store(pairs, self.mask.shape[1] + _room(self.rows))
+        if isinstance(self.cache, KVBuffers):  # one copy, straight into the new buffers
+            self.cache = self.cache.select(keep, lead, self.mask.shape[1] + _room(self.rows))
+        else:
+            self._store([(k[keep, :, lead:], v[keep, :, lead:]) for k, v in _pairs(self.cache)], 0)
         self.positions = self.positions[keep]
         self.last = self.last[keep]
         self.uniforms = self.uniforms[keep]

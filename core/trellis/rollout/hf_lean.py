@@ -102,6 +102,24 @@ class KVBuffers:
         w = self.width
         return [(k[:, :, :w], v[:, :, :w]) for k, v in self.layers]
 
+    def select(self, rows: Any, lead: int, capacity: int) -> KVBuffers:
+        """New buffers of ``capacity`` columns holding rows ``rows`` (an index tensor) of these, from
+        column ``lead`` on: one copy (``index_select`` into the new buffers)."""
+        import torch
+
+        out = KVBuffers.__new__(KVBuffers)
+        width = self.width - lead
+        capacity = max(int(capacity), width + 1)
+        out.layers = []
+        for keys, values in self.layers:
+            shape = (len(rows), keys.shape[1], capacity, keys.shape[3])
+            k, v = keys.new_empty(shape), values.new_empty(shape)
+            torch.index_select(keys[:, :, lead : self.width], 0, rows, out=k[:, :, :width])
+            torch.index_select(values[:, :, lead : self.width], 0, rows, out=v[:, :, :width])
+            out.layers.append((k, v))
+        out.width = width
+        return out
+
     def make_room(self) -> None:
         """Grow by :data:`GROWTH` columns when the next step's column is past the end."""
         if self.width >= self.capacity:
