@@ -49,6 +49,18 @@ def run_python(
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread for the test, the count before it put back after (a test file opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def python():
     """``python(code, env=None)`` runs code in a fresh interpreter and returns the process."""
     return run_python

@@ -17,12 +17,7 @@ from trellis.testing.rollout import teacher_forced_log_probs
 PAUSE_AT = 10  # the forward call (= generated token) of the first batch during which the update begins
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
