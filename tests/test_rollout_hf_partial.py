@@ -14,7 +14,7 @@ from trellis.rollout import SamplingParams
 from trellis.rollout.hf import HFRolloutReplica
 from trellis.testing.rollout import teacher_forced_log_probs
 
-PAUSE_AT = 10  # the forward call (= generated token) of the first batch during which the update begins
+PAUSE_AT = 10  # the embedding call (= generated token) of the first batch during which the update begins
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,14 +65,15 @@ def generate(model, tok, prompt, sp):
 
 
 class Pause:
-    """Holds the generation thread in the ``at``-th forward call of ``model`` until released."""
+    """Holds the generation thread in the ``at``-th call of ``model``'s input embedding (one per forward
+    pass or lean decoding step) until released."""
 
     def __init__(self, model, at=PAUSE_AT):
         self.loop = asyncio.get_running_loop()
         self.reached = asyncio.Event()
         self.release = threading.Event()
         self.at, self.calls = at, 0
-        self.handle = model.register_forward_pre_hook(self._hook)
+        self.handle = model.get_input_embeddings().register_forward_pre_hook(self._hook)
 
     def _hook(self, module, args):
         self.calls += 1
