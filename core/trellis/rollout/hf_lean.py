@@ -21,6 +21,8 @@ into :class:`KVBuffers` once per admission.
 
 Equal to the ``transformers`` step to float rounding (the tests compare logits and the
 continuous decoder's tokens and log-probs); ``rollout.engine_kwargs.decode_step: hf`` turns it off.
+A lean step calls the input embedding module but no other module's ``forward``: hooks a user put on
+the model or its layers run on prefills only (``decode_step: hf`` runs them on every step).
 """
 
 from __future__ import annotations
