@@ -150,6 +150,17 @@ def test_decode_step_chooses_the_path_and_lean_refuses_a_model_it_cannot_take():
         HFRolloutReplica(0, RolloutConfig(engine_kwargs={"decode_step": "fast"}), ModelConfig())
 
 
+def test_transpose_weights_is_off_by_default_and_copies_the_large_weights_when_on():
+    wide = llama(vocab_size=2048)  # lm_head 2048 x 32 = TRANSPOSE_MIN_ELEMENTS
+    wide.generation_config.eos_token_id = wide.config.vocab_size
+    off, off_stats = _replica_run(wide, [5, 6, 7])
+    on, on_stats = _replica_run(wide, [5, 6, 7], transpose_weights=True)
+    assert (off_stats.transposed_weights, on_stats.transposed_weights) == (0, 1)
+    assert on.token_ids == off.token_ids and on_stats.lean_steps == 4
+    with pytest.raises(ValueError, match=r"transpose_weights must be true or false, got 'yes'"):
+        HFRolloutReplica(0, RolloutConfig(engine_kwargs={"transpose_weights": "yes"}), ModelConfig())
+
+
 def test_kv_buffers_keep_rows_cut_leading_columns_and_grow():
     keys = torch.arange(4 * 2 * 5 * 3, dtype=torch.float32).view(4, 2, 5, 3)
     kv = KVBuffers([(keys, -keys)], capacity=7)

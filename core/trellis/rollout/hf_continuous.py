@@ -67,6 +67,7 @@ class DecodeStats:
     peak_rows: int = 0  # most rows decoded at once
     shared_prefill_rows: int = 0  # admitted rows whose context another row of their prefill computed
     lean_steps: int = 0  # decoding steps run by the LeanDecoder (the rest by the transformers forward)
+    transposed_weights: int = 0  # weights the last session's LeanDecoder multiplies through a copy
 
 
 @dataclass

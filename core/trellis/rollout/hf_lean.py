@@ -6,8 +6,8 @@ builds a 4-D mask, rotary tables, output records and a ``DynamicCache`` that con
 every layer's keys and values to append one column. :class:`LeanDecoder` computes the same step
 from the model's own modules and parameters (read at each step, so weight updates apply) with
 one scaled-dot-product attention per layer over :class:`KVBuffers`: per-layer key and value
-buffers with room for the running rows' remaining tokens, written in place. On the CPU it also
-multiplies the rows by transposed, contiguous copies of the large weights (``x @ Wᵀ`` with ``Wᵀ``
+buffers with room for the running rows' remaining tokens, written in place. On the CPU it can also
+(``transpose_weights``) multiply the rows by transposed, contiguous copies of the large weights (``x @ Wᵀ`` with ``Wᵀ``
 stored ``(in, out)``), taken once per decoder, i.e. once per continuous session: at the 4-64 rows
 a decoding step multiplies, the CPU GEMM runs 1.3-2x faster on that layout than ``F.linear`` on
 the ``(out, in)`` one (``benchmarks/continuous_batching.py``, docs/performance.md).
