@@ -86,11 +86,11 @@ def test_the_lean_step_gives_the_transformers_logits(build):
 
 
 def test_transposed_weight_copies_give_the_same_logits(monkeypatch):
-    assert LeanDecoder(llama()).transposed_weights == 0  # every weight is under TRANSPOSE_MIN_ELEMENTS
-    wide = llama(vocab_size=2048)  # lm_head 2048 x 32 = TRANSPOSE_MIN_ELEMENTS: on the CPU, copied
-    lean = LeanDecoder(wide)
+    assert LeanDecoder(llama(), transpose=True).transposed_weights == 0  # all under TRANSPOSE_MIN_ELEMENTS
+    wide = llama(vocab_size=2048)  # lm_head 2048 x 32 = TRANSPOSE_MIN_ELEMENTS: copied
+    lean = LeanDecoder(wide, transpose=True)
     assert lean.transposed_weights == 1 and lean._transposed[id(wide.lm_head.weight)].stride() == (2048, 1)
-    assert LeanDecoder(wide, transpose=False).transposed_weights == 0
+    assert LeanDecoder(wide).transposed_weights == 0  # off unless asked
     monkeypatch.setattr(hf_lean, "TRANSPOSE_MIN_ELEMENTS", 1)
     for model in (llama(), qwen2()):  # qwen2: the q/k/v biases go through addmm
         diffs, lean = _compare(model, transpose=True)

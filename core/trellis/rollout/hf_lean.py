@@ -7,10 +7,11 @@ every layer's keys and values to append one column. :class:`LeanDecoder` compute
 from the model's own modules and parameters (read at each step, so weight updates apply) with
 one scaled-dot-product attention per layer over :class:`KVBuffers`: per-layer key and value
 buffers with room for the running rows' remaining tokens, written in place. On the CPU it can also
-(``transpose_weights``) multiply the rows by transposed, contiguous copies of the large weights (``x @ Wᵀ`` with ``Wᵀ``
-stored ``(in, out)``), taken once per decoder, i.e. once per continuous session: at the 4-64 rows
-a decoding step multiplies, the CPU GEMM runs 1.3-2x faster on that layout than ``F.linear`` on
-the ``(out, in)`` one (``benchmarks/continuous_batching.py``, docs/performance.md).
+(``engine_kwargs.transpose_weights``) multiply the rows by transposed, contiguous copies of the
+large weights (``x @ Wᵀ`` with ``Wᵀ`` stored ``(in, out)``), taken once per decoder, i.e. once per
+continuous session: at the 4-64 rows a decoding step multiplies, the CPU GEMM runs 1.3-2x faster on
+that layout than ``F.linear`` on the ``(out, in)`` one, for one more copy of those weights in memory
+(docs/performance.md).
 
 Which models (:func:`lean_unsupported` says why one is not): ``LlamaForCausalLM``-shaped decoders
 (``model.model.layers`` of ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj`` with SiLU,
@@ -135,11 +136,11 @@ class LeanDecoder:
     Args:
         model: the causal LM (its parameters are read at every step, but for the transposed copies).
         transpose: multiply by transposed contiguous copies of the weights of at least
-            :data:`TRANSPOSE_MIN_ELEMENTS` (None: when the model is on the CPU). The copies are
-            taken here: build a new decoder after the weights change.
+            :data:`TRANSPOSE_MIN_ELEMENTS` (a CPU layout). The copies are taken here: build a new
+            decoder after the weights change.
     """
 
-    def __init__(self, model: Any, transpose: bool | None = None) -> None:
+    def __init__(self, model: Any, transpose: bool = False) -> None:
         import torch
 
         reason = lean_unsupported(model)
@@ -151,8 +152,6 @@ class LeanDecoder:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        if transpose is None:
-            transpose = model.lm_head.weight.device.type == "cpu"
         self._transposed: dict[int, Any] = {}  # id(weight) -> weight.T, contiguous
         if transpose:
             with torch.no_grad():
