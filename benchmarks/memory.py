@@ -15,16 +15,21 @@ tiny test model) for ``--steps`` steps, without validation or checkpoints, in th
 - ``heap`` / ``free``: glibc's ``mallinfo2``: bytes handed out from the malloc heaps
   (``uordblks``) and free bytes kept in them (``fordblks``), GiB; ``mmap``: bytes in chunks
   malloc got directly from ``mmap`` (``hblkhd``); ``arenas``: the heaps' total size (``arena``);
-- ``trim``: with ``--trim``, how much RSS ``malloc_trim(0)`` gave back after the step, GiB.
+- ``trim``: with ``--trim``, how much RSS ``malloc_trim(0)`` gave back after the step, GiB;
+- ``faults`` / ``sys``: the step's minor page faults (millions: pages touched for the first time since
+  the process got them from the OS, each zeroed by the kernel) and its system CPU seconds, most of
+  which is that zeroing; then the step's wall seconds.
 
 A large ``free`` (and ``rss`` well above ``tensors`` + the model's own needs) means fragmentation
 in the allocator; growing ``tensors`` means references kept alive; growing Python object counts
 (``--objects``: the types whose count grew most since step 1) mean Python objects kept alive.
 ``--stages`` adds a line per stage of each step: its peak and the RSS at its end.
 
-glibc tunables can be tried from outside: ``MALLOC_ARENA_MAX=2``, ``MALLOC_TRIM_THRESHOLD_=...``,
-``MALLOC_MMAP_THRESHOLD_=...``. The engines give malloc's free heap memory back at each phase's start
-and end (the ``cpu`` backend's ``empty_cache``; see docs/performance.md, "Memory").
+``trainer.host_memory=release`` (an override) compares the policies: under ``reuse`` (the default)
+malloc keeps freed memory for the next stage; under ``release`` the engines give malloc's free heap
+memory back at each phase's start and end (the ``cpu`` backend's ``empty_cache``; see
+docs/performance.md, "Memory"). glibc tunables can be tried from outside as well
+(``MALLOC_ARENA_MAX=2``, ``MALLOC_TRIM_THRESHOLD_=...``, ``MALLOC_MMAP_THRESHOLD_=...``).
 This is a measurement, never a pass/fail test.
 """
 
@@ -36,6 +41,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import resource
 import sys
 import time
 import warnings
@@ -177,7 +183,11 @@ def main() -> int:
     print(f"preset {args.preset}, {args.steps} steps, torch threads {torch.get_num_threads()}, env {env}")
     rows: list[dict[str, Any]] = []
     baseline: dict[str, Any] = {}
-    state = {"step_start": time.perf_counter(), "step_peak": 0}
+    state = {
+        "step_start": time.perf_counter(),
+        "step_peak": 0,
+        "usage": resource.getrusage(resource.RUSAGE_SELF),
+    }
 
     if args.stages:  # wrap the trainer's stages: a peak per stage (harness only, the trainer is unchanged)
         original = ppo.Trainer._stage
@@ -185,12 +195,16 @@ def main() -> int:
         @contextlib.contextmanager
         def stage(self: Any, name: str, timings: Any = None) -> Any:
             reset_peak()
+            before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             with original(self, name, timings):
                 yield
             state["step_peak"] = max(state["step_peak"], status_bytes("VmHWM"))
+            usage = resource.getrusage(resource.RUSAGE_SELF)
             print(
                 f"    stage {name:<14} peak {status_bytes('VmHWM') / GIB:6.2f}  "
-                f"end rss {status_bytes('VmRSS') / GIB:6.2f}",
+                f"end rss {status_bytes('VmRSS') / GIB:6.2f}  "
+                f"faults {(usage.ru_minflt - before.ru_minflt) / 1e6:5.2f}M"
+                f"  sys {usage.ru_stime - before.ru_stime:5.1f}s  {time.perf_counter() - start:5.1f}s",
                 flush=True,
             )
             reset_peak()
@@ -201,7 +215,10 @@ def main() -> int:
         @hookimpl
         def trellis_train_start(self) -> None:
             reset_peak()
-            state["step_start"] = time.perf_counter()
+            state["step_start"], state["usage"] = (
+                time.perf_counter(),
+                resource.getrusage(resource.RUSAGE_SELF),
+            )
             print(f"before step 1: rss {status_bytes('VmRSS') / GIB:.2f} GiB", flush=True)
 
         @hookimpl
@@ -223,6 +240,8 @@ def main() -> int:
                 "trim": 0,
                 "seconds": time.perf_counter() - state["step_start"],
             }
+            usage, before = resource.getrusage(resource.RUSAGE_SELF), state["usage"]
+            row["faults"], row["sys"] = usage.ru_minflt - before.ru_minflt, usage.ru_stime - before.ru_stime
             arenas = arena_free()
             if arenas:
                 print(
@@ -237,7 +256,8 @@ def main() -> int:
                 f"step {step:3d}  rss {rss / GIB:6.2f}  peak {peak / GIB:6.2f}  tensors "
                 f"{tensor_bytes / GIB:5.2f} ({count:5d})  heap {row['heap'] / GIB:5.2f}  free "
                 f"{row['free'] / GIB:5.2f}  mmap {row['mmap'] / GIB:5.2f}  arenas {row['arenas'] / GIB:5.2f}"
-                f"  trim {row['trim'] / GIB:5.2f}  {row['seconds']:5.1f}s",
+                f"  trim {row['trim'] / GIB:5.2f}  faults {row['faults'] / 1e6:5.2f}M  sys {row['sys']:5.1f}s"
+                f"  {row['seconds']:5.1f}s",
                 flush=True,
             )
             if args.objects:
@@ -250,6 +270,7 @@ def main() -> int:
                     print("      objects grown since step 1: " + ", ".join(f"{n} +{d}" for n, d in grown))
             reset_peak()
             state["step_start"], state["step_peak"] = time.perf_counter(), 0
+            state["usage"] = resource.getrusage(resource.RUSAGE_SELF)
 
     get_plugin_manager().register(Probe(), name="memory-probe")
     trellis.train(overrides=overrides)

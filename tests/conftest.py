@@ -48,6 +48,17 @@ def run_python(
     )
 
 
+@pytest.fixture(autouse=True)
+def _host_memory_restored():
+    """Put back the process's malloc policy after each test: workers and replicas built by a test set it
+    from their config (``trainer.host_memory``) for the whole process, as they do in a worker process."""
+    from trellis.utils.memory import host_memory, set_host_memory
+
+    before = host_memory()
+    yield
+    set_host_memory(before)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test, the count before it put back after (a test file opts in with

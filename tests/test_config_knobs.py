@@ -444,6 +444,12 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "trainer.total_epochs": (RUN_TRAINER,),
     "trainer.total_training_steps": (TRAINER + "test_python_callable_reward",),
     "trainer.device": (BAD_NAME,),
+    "trainer.host_memory": (
+        TRAINER + "test_host_memory_holds_while_the_run_trains_and_is_restored_after",
+        TRAINER + "test_worker_and_replica_processes_set_host_memory_from_the_config",
+        "tests/test_engine_base.py::test_a_cpu_phase_leaves_freed_memory_to_malloc_under_the_reuse_policy",
+        "tests/test_utils_memory.py::test_reuse_keeps_freed_memory_for_the_next_allocation_and_release_gives_it_back",
+    ),
     "trainer.flush_denormal": (
         TRAINER + "test_flush_denormal_holds_while_the_run_trains_and_is_restored_after",
         TRAINER + "test_worker_and_replica_processes_set_flush_denormal_from_the_config",

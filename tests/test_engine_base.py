@@ -582,9 +582,26 @@ def test_every_model_and_role_setting_reaches_the_engine(tiny_model_path, monkey
     assert ref.micro_batch_size == 7
 
 
+def test_a_cpu_phase_leaves_freed_memory_to_malloc_under_the_reuse_policy(tiny_model_path, monkeypatch):
+    from trellis.device import get_device_backend
+    from trellis.utils.memory import set_host_memory
+
+    set_host_memory("reuse")  # put back by the conftest
+    eng = engine(tiny_model_path)
+    calls = []
+    monkeypatch.setattr(get_device_backend("cpu"), "empty_cache", lambda: calls.append("empty_cache"))
+    with eng.phase(optimizer=True):
+        eng.forward_backward(make_batch(4), policy_loss_fn("token-mean"))
+        eng.optimizer_step()
+    assert calls == []
+    assert all(p.grad is None for p in eng.model.parameters())  # gradients still dropped on the CPU
+
+
 def test_a_cpu_phase_gives_freed_memory_back_when_it_starts_and_ends(tiny_model_path, monkeypatch):
     from trellis.device import get_device_backend
+    from trellis.utils.memory import set_host_memory
 
+    set_host_memory("release")  # put back by the conftest
     eng = engine(tiny_model_path)
     calls = []
     monkeypatch.setattr(get_device_backend("cpu"), "empty_cache", lambda: calls.append("empty_cache"))

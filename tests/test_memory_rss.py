@@ -11,8 +11,10 @@ Measured (1 thread): RSS 411.0 MiB after step 2, 409.7 after step 30; without th
 The demo's growth (SmolLM2-135M: resident set 6.4 -> 7.6 -> 8.0 GiB over three steps, live tensors
 flat at 2.5 GiB) was freed activations kept in malloc's heaps; the tiny model's activations are too
 small for that to show in its RSS, which is why tensors and objects are pinned too, and why the
-fix itself (the ``cpu`` backend's ``empty_cache`` when an engine phase starts and ends) has tests
-of its own in ``test_device_cpu.py``, ``test_utils_memory.py`` and ``test_engine_base.py``.
+fix itself (the ``cpu`` backend's ``empty_cache`` when an engine phase starts and ends, under
+``trainer.host_memory=release``) has tests of its own in ``test_device_cpu.py``,
+``test_utils_memory.py`` and ``test_engine_base.py``. The run here takes the default policy,
+``reuse``: malloc keeps freed memory for the next stage, and the resident set must stay flat too.
 """
 
 from __future__ import annotations

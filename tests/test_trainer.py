@@ -770,6 +770,55 @@ def test_flush_denormal_holds_while_the_run_trains_and_is_restored_after(tmp_pat
         set_flush_denormal(before)
 
 
+@pytest.mark.parametrize("policy", ["reuse", "release"])
+def test_host_memory_holds_while_the_run_trains_and_is_restored_after(tmp_path, policy):
+    from trellis.hooks import get_plugin_manager, hookimpl
+    from trellis.utils.memory import host_memory, set_host_memory
+
+    torch.set_num_threads(1)
+    seen = []
+
+    class Probe:
+        @hookimpl
+        def trellis_step_end(self, step: int) -> None:
+            seen.append(host_memory())
+
+    probe = Probe()
+    other = "release" if policy == "reuse" else "reuse"
+    set_host_memory(other)  # the run must change it, then put it back (the conftest restores the rest)
+    get_plugin_manager().register(probe)
+    try:
+        run(tmp_path, *QUICK, "trainer.total_training_steps=2", f"trainer.host_memory={policy}")
+        assert seen == [policy, policy]
+        assert host_memory() == other
+    finally:
+        get_plugin_manager().unregister(probe)
+
+
+@pytest.mark.parametrize("policy", ["reuse", "release"])
+def test_worker_and_replica_processes_set_host_memory_from_the_config(policy):
+    from trellis.config import load_config
+    from trellis.rollout.remote import set_process_cpu
+    from trellis.trainer.workers import ActorRolloutRefWorker
+    from trellis.utils.memory import host_memory, set_host_memory
+
+    config = load_config(None, [*preset_overrides("tiny"), f"trainer.host_memory={policy}"])
+    other = "release" if policy == "reuse" else "reuse"
+    set_host_memory(other)
+    ActorRolloutRefWorker(config)
+    assert host_memory() == policy
+    set_host_memory(other)
+    set_process_cpu(config)
+    assert host_memory() == policy
+
+
+def test_an_unknown_host_memory_policy_is_refused_by_the_config():
+    from trellis.config import load_config
+
+    with pytest.raises(Exception, match=r"host_memory[\s\S]*keep"):
+        load_config(None, [*preset_overrides("tiny"), "trainer.host_memory=keep"])
+
+
 @pytest.mark.parametrize("flush", [True, False])
 def test_worker_and_replica_processes_set_flush_denormal_from_the_config(flush):
     # a Ray actor is a process of its own: the driver's setting never reaches it

@@ -1,10 +1,19 @@
-"""trellis.utils.memory: the process's RSS, its peak (and resetting it), and physical memory."""
+"""trellis.utils.memory: the process's RSS, its peak (and resetting it), physical memory, and malloc's
+policy for freed memory."""
 
 from __future__ import annotations
 
 import pytest
 
-from trellis.utils.memory import GIB, peak_rss_bytes, physical_memory_bytes, reset_peak_rss, rss_bytes
+from trellis.utils.memory import (
+    GIB,
+    host_memory,
+    peak_rss_bytes,
+    physical_memory_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    set_host_memory,
+)
 
 MIB = 2**20
 
@@ -55,3 +64,56 @@ def test_trim_malloc_heaps_gives_freed_heap_memory_back(python):
         assert int(freed_mib) < 16
     else:
         assert 100 < int(freed_mib) <= 140  # the 128 MiB of holes, not the blocks still in use
+
+
+# A fresh interpreter allocates a 128 MiB tensor (written, so resident), frees it, and allocates a 64 MiB
+# one, under each policy in turn: the MiB still resident after the free, and the pages the second
+# allocation faulted in. (Smaller, so that it fits in the freed block whatever was allocated after it;
+# both above the 32 MiB that glibc's dynamic mmap threshold can reach, so its default mmaps them.)
+FREED_AND_AGAIN = """
+import resource, torch
+from trellis.utils.memory import host_memory, rss_bytes, set_host_memory, trim_malloc_heaps
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def cycle():
+    block = torch.ones(32 * 2**20)
+    before_free = rss_bytes()
+    del block
+    held = rss_bytes() - (before_free - 128 * 2**20)  # what stays resident of the freed 128 MiB
+    start = faults()
+    block = torch.ones(16 * 2**20)
+    again = faults() - start
+    del block
+    return round(held / 2**20), again
+print(host_memory(), *cycle())
+print(set_host_memory("reuse"), host_memory(), *cycle())
+previous = set_host_memory("release")
+trim_malloc_heaps()  # as engines do between phases under release
+print(previous, host_memory(), *cycle())
+"""
+
+
+def test_reuse_keeps_freed_memory_for_the_next_allocation_and_release_gives_it_back(python):
+    done = python(FREED_AND_AGAIN)
+    assert done.returncode == 0, done.stderr
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert [line[:-2] for line in lines] == [["release"], ["release", "reuse"], ["reuse", "release"]]
+    pages = 64 * 2**20 // 4096  # the second tensor's 16384 pages of 4 KiB
+    (held, again), (reuse_held, reuse_again), (release_held, release_again) = (
+        (int(a), int(b)) for *_, a, b in lines
+    )
+    # glibc's default: a large block is an mmap of its own, unmapped on free, the next one faulted in afresh
+    assert held < 8 and again > pages * 0.9
+    # reuse: it stays in the heap, resident, and the next tensor takes the same pages without a fault
+    assert reuse_held > 120 and reuse_again < pages * 0.05
+    # release after reuse (what reuse kept given back, as engines do between phases): faulted in again
+    assert release_held < 8 and release_again > pages * 0.9
+
+
+def test_set_host_memory_returns_the_policy_before_and_refuses_unknown_names():
+    before = host_memory()
+    assert set_host_memory("reuse") == before
+    assert set_host_memory("release") == "reuse"
+    with pytest.raises(ValueError, match=r"trainer.host_memory must be one of reuse, release, got 'keep'"):
+        set_host_memory("keep")
+    assert host_memory() == "release"

@@ -76,6 +76,7 @@ from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, mic
 from trellis.engine.models import compute_dtype, load_model, model_setting
 from trellis.engine.optim import build_lr_scheduler, build_optimizer
 from trellis.errors import EngineError
+from trellis.utils.memory import host_memory
 from trellis.utils.settings import setting
 
 ROLES = ("actor", "critic", "ref")
@@ -631,11 +632,12 @@ class TrainingEngine:
         device is the CPU (every update starts with ``zero_grad``, so they are never read again;
         on the CPU their memory then serves generation and validation). With both knobs off, or
         on a CPU compute device, nothing moves. Phases nest: only the outermost one moves things
-        back. On a CPU compute device, entering and leaving give the memory freed before (by
-        generation, in another thread's heap) and during the phase (its activations) back to the
-        OS: the ``cpu`` backend's ``empty_cache``. Kept in malloc's heaps it fragments, and the
-        process's resident set grew by gigabytes over the first steps of a run
-        (docs/performance.md).
+        back. On a CPU compute device under ``trainer.host_memory=release``
+        (:func:`trellis.utils.memory.host_memory`), entering and leaving give the memory freed
+        before (by generation, in another thread's heap) and during the phase (its activations)
+        back to the OS: the ``cpu`` backend's ``empty_cache``. Under ``reuse`` (the default) it stays
+        in malloc's one arena for the next stage, and the next phase faults no page in again
+        (docs/performance.md, "Memory").
 
         Raises:
             EngineError: ``optimizer=True`` on a ``ref`` engine (no optimizer).
@@ -675,8 +677,9 @@ class TrainingEngine:
         self._trim_host()
 
     def _trim_host(self) -> None:
-        """On a CPU compute device, give malloc's free heap memory back to the OS (see :meth:`phase`)."""
-        if self.device.type == "cpu":
+        """On a CPU compute device under the ``release`` policy, give malloc's free heap memory back to
+        the OS (see :meth:`phase`)."""
+        if self.device.type == "cpu" and host_memory() == "release":
             get_device_backend("cpu").empty_cache()
 
     @property

@@ -26,16 +26,19 @@ from trellis.rollout.sampling import SamplingParams, TokenOutput
 
 
 def set_process_cpu(config: Any) -> None:
-    """The CPU settings of a worker's or replica's process: its torch threads (``TRELLIS_NUM_THREADS``)
-    and whether its CPU computations flush denormals (``trainer.flush_denormal``; a config without a
-    ``trainer`` section takes the default, on). A Ray actor is a process of its own: the driver's
-    settings never reach it."""
+    """The CPU settings of a worker's or replica's process: its torch threads (``TRELLIS_NUM_THREADS``),
+    whether its CPU computations flush denormals (``trainer.flush_denormal``) and what malloc does with
+    freed memory (``trainer.host_memory``); a config without a ``trainer`` section takes the defaults.
+    A Ray actor is a process of its own: the driver's settings never reach it."""
     import torch
 
     from trellis.device.cpu import set_flush_denormal
+    from trellis.utils.memory import set_host_memory
 
+    trainer = getattr(config, "trainer", None)
+    set_host_memory(str(getattr(trainer, "host_memory", "reuse")))  # before the threads below allocate
     torch.set_num_threads(int(os.environ.get("TRELLIS_NUM_THREADS", torch.get_num_threads())))
-    set_flush_denormal(bool(getattr(getattr(config, "trainer", None), "flush_denormal", True)))
+    set_flush_denormal(bool(getattr(trainer, "flush_denormal", True)))
 
 
 async def wake_and_resume(replica: Any) -> None:

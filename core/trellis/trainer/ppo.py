@@ -39,6 +39,7 @@ from trellis.trainer import metrics as M
 from trellis.trainer.profiler import StageProfiler
 from trellis.trainer.workers import seed_process
 from trellis.utils import fs
+from trellis.utils.memory import host_memory, set_host_memory
 from trellis.utils.timing import marked_timer
 from trellis.utils.watchdog import StageWatchdog
 
@@ -101,6 +102,7 @@ class Trainer:
         self._threads_before: int | None = None
         # before any worker, replica thread or OpenMP pool starts: they inherit the setting
         self._denormal_before = set_flush_denormal(config.trainer.flush_denormal)  # restored by _shutdown
+        self._host_memory_before = set_host_memory(config.trainer.host_memory)  # likewise
         self.replicas: Any = None
         """The standalone replicas' :class:`~trellis.rollout.manager.ReplicaManager`
         (rollout.mode=standalone); None when each training worker owns its replica."""
@@ -1044,6 +1046,7 @@ class Trainer:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
         set_flush_denormal(getattr(self, "_denormal_before", False))
+        set_host_memory(getattr(self, "_host_memory_before", host_memory()))
 
 
 def _worker_mean(metrics: dict[str, Any]) -> dict[str, float]:

@@ -14,7 +14,8 @@ module                          public names
 ``trellis.utils.timing``        ``timer``, ``marked_timer``
 ``trellis.utils.profiling``     ``profile``
 ``trellis.utils.memory``        ``rss_bytes``, ``peak_rss_bytes``, ``reset_peak_rss``,
-                                ``physical_memory_bytes``, ``trim_malloc_heaps``
+                                ``physical_memory_bytes``, ``trim_malloc_heaps``,
+                                ``host_memory``, ``set_host_memory``
 ``trellis.utils.settings``      ``config_value``, ``setting``
 ``trellis.utils.coroutines``    ``run_coroutine``
 ``trellis.utils.lazy``          ``lazy_attributes``
@@ -47,6 +48,8 @@ _LAZY: dict[str, str] = {
     "reset_peak_rss": "trellis.utils.memory:reset_peak_rss",
     "physical_memory_bytes": "trellis.utils.memory:physical_memory_bytes",
     "trim_malloc_heaps": "trellis.utils.memory:trim_malloc_heaps",
+    "host_memory": "trellis.utils.memory:host_memory",
+    "set_host_memory": "trellis.utils.memory:set_host_memory",
     "config_value": "trellis.utils.settings:config_value",
     "setting": "trellis.utils.settings:setting",
     "run_coroutine": "trellis.utils.coroutines:run_coroutine",
