@@ -15,8 +15,14 @@ tokens) and ``--max-tokens`` new tokens at most:
 - direct: ``--sessions`` concurrent ``replica.generate(prompt_ids, SamplingParams(...))`` calls on
   the replica's event loop, the prompts rendered with the chat template beforehand (log-probs on,
   as the gateway asks for them in a session);
-- gateway: ``--sessions`` concurrent sessions, each one chat completion over HTTP with
-  ``openai.AsyncOpenAI`` against ``/sessions/<id>/v1``, from an event loop in the main thread.
+- gateway: ``--sessions`` concurrent sessions, each one chat completion over HTTP with an
+  ``openai.AsyncOpenAI`` client of its own against ``/sessions/<id>/v1``, from an event loop in the
+  main thread;
+- HTTP floor: the same clients posting the same requests to a route of the same server that parses the
+  body and returns a canned reply of the same size: what HTTP, the web framework and the client cost
+  with no gateway and no generation. All three share one interpreter (one GIL), so the floor's time
+  adds to generation's; ``direct / (direct + floor)`` is the best ratio a gateway on this server and
+  client could reach.
 
 Tokens/s counts generated tokens (up to and including eos) over the wall time of the whole round
 (the first request sent to the last answer received). Each side runs one warm-up round, then
@@ -139,7 +145,8 @@ def throughput(served: Served, args: argparse.Namespace, rounds: int) -> dict[st
     seeds = [SEED + i for i in range(n)]
     sids = [f"tp-{i}" for i in range(n)]
     results: dict[str, dict[str, list]] = {
-        side: {"seconds": [], "tokens": [], "batches": [], "ids": []} for side in ("direct", "gateway")
+        side: {"seconds": [], "tokens": [], "batches": [], "ids": []}
+        for side in ("direct", "gateway", "floor")
     }
 
     async def direct_round() -> list[list[int]]:
@@ -151,18 +158,35 @@ def throughput(served: Served, args: argparse.Namespace, rounds: int) -> dict[st
         return [list(o.token_ids) for o in outs]
 
     client_loop = asyncio.new_event_loop()
-    base = openai.AsyncOpenAI(base_url=running.base_url, api_key="unused", max_retries=0, timeout=600)
-    clients = [base.with_options(base_url=running.session_url(sid)) for sid in sids]
+    # one client (and connection pool) per session, as separate agents would have: a pool shared by 64
+    # concurrent requests checks every pooled connection on each request, which costs the client
+    # more than the whole gateway does on the tiny model
+    clients = [
+        openai.AsyncOpenAI(base_url=running.session_url(sid), api_key="unused", max_retries=0, timeout=600)
+        for sid in sids
+    ]
+    floor_clients = [c.with_options(base_url=f"{running.url}/floor/v1") for c in clients]
+    canned: dict[str, Any] = {}
 
-    async def gateway_round() -> int:
+    from fastapi.responses import JSONResponse
+
+    async def floor(request: Any) -> JSONResponse:  # a plain Starlette route: the request, no validation
+        await request.json()
+        return JSONResponse(canned)
+
+    served.gateway.app.add_route("/floor/v1/chat/completions", floor, methods=["POST"])
+
+    async def gateway_round(floor_only: bool = False) -> int:
         async def one(i: int) -> int:
-            reply = await clients[i].chat.completions.create(
+            reply = await (floor_clients if floor_only else clients)[i].chat.completions.create(
                 model=MODEL,
                 messages=conversations[i],
                 temperature=1.0,
                 max_tokens=args.max_tokens,
                 seed=seeds[i],
             )
+            if not canned:
+                canned.update(reply.model_dump(exclude_none=True))
             return reply.usage.completion_tokens
 
         return sum(await asyncio.gather(*(one(i) for i in range(n))))
@@ -175,6 +199,10 @@ def throughput(served: Served, args: argparse.Namespace, rounds: int) -> dict[st
             seconds = time.perf_counter() - start
             tokens = sum(len(t) for t in ids)
             prompt_ok = True
+        elif side == "floor":
+            tokens = client_loop.run_until_complete(gateway_round(floor_only=True))
+            seconds = time.perf_counter() - start
+            ids, prompt_ok = [], True
         else:
             tokens = client_loop.run_until_complete(gateway_round())
             seconds = time.perf_counter() - start
@@ -201,11 +229,15 @@ def throughput(served: Served, args: argparse.Namespace, rounds: int) -> dict[st
     try:
         run("direct", record=False)
         run("gateway", record=False)
+        run("floor", record=False)
         for r in range(rounds):
-            for side in ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct"):
+            for side in ("direct", "gateway", "floor") if r % 2 == 0 else ("floor", "gateway", "direct"):
                 run(side, record=True)
     finally:
-        client_loop.run_until_complete(base.close())
+        async def close_all() -> None:
+            await asyncio.gather(*(c.close() for c in clients))
+
+        client_loop.run_until_complete(close_all())
         client_loop.close()
 
     summary: dict[str, Any] = {}
@@ -218,6 +250,7 @@ def throughput(served: Served, args: argparse.Namespace, rounds: int) -> dict[st
             "batches": statistics.median(r["batches"]),
         }
     direct_ids, gateway_ids = results["direct"]["ids"], results["gateway"]["ids"]
+    results["floor"]["prompt_ok"] = []
     summary["same_tokens"] = all(g == d for g in gateway_ids for d in direct_ids) and all(
         results["gateway"]["prompt_ok"]
     )
@@ -383,6 +416,15 @@ def bench(label: str, path: str, args: argparse.Namespace, rounds: int) -> None:
     ratio = t["gateway"]["rate"] / t["direct"]["rate"]
     same = "yes" if t["same_tokens"] else "NO"
     print(f"  gateway / direct: {ratio:.2f}x (target >= 0.9x); same tokens on both sides: {same}")
+    floor, n = t["floor"]["seconds"], args.sessions
+    over = t["gateway"]["seconds"] - t["direct"]["seconds"]
+    best = t["direct"]["seconds"] / (t["direct"]["seconds"] + floor)
+    print(
+        f"  HTTP floor: the same clients posting the same requests to a route that parses the body and "
+        f"returns a canned reply (no generation): {floor:.3f} s a round, {1e3 * floor / n:.2f} ms a "
+        f"request; the gateway adds {1e3 * over / n:.2f} ms a request to direct calls; best ratio the "
+        f"floor leaves (direct / (direct + floor)): {best:.2f}x"
+    )
     print_capture(label, c, args)
 
 
