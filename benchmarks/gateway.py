@@ -234,6 +234,7 @@ def throughput(served: Served, args: argparse.Namespace, rounds: int) -> dict[st
             for side in ("direct", "gateway", "floor") if r % 2 == 0 else ("floor", "gateway", "direct"):
                 run(side, record=True)
     finally:
+
         async def close_all() -> None:
             await asyncio.gather(*(c.close() for c in clients))
 

@@ -19,9 +19,13 @@ with model loading and both validations; held-out accuracy went from 3.5% to 54.
 (docs/performance.md, "Faster steps"): 40 steps of about 18 s (generation 5 s, update 12.5 s),
 13 min 23 s in all, 4.0% -> 57.5%; before those two changes a step took 30 s. 16 steps at twice the
 learning rate took 5 min 28 s and reached only 33.0%. With another busy process on the same two
-cores, two torch threads slow down several-fold. Memory (fp32, docs/performance.md "Memory"): about
-2.4 GiB resident after every step, peaks of 4.1 GiB in the updates and 4.5 GiB in the final
-validation; before malloc's heaps were trimmed and the micro-batches shrunk, 6-11 GiB and growing.
+cores, two torch threads slow down several-fold. With ``trainer.host_memory=reuse`` (the default
+since; docs/performance.md "Memory"), fp32 on a busy machine: 10 min 23 s, steps of 13.3 s
+(generation 4.0 s, update 9.1 s) against 18 min 35 s and 25.4 s when every stage faulted its memory
+in again; 4.0% -> 59.5% either way. Memory: 4.18 GiB resident after every step (the update's
+working set stays with the process), peak 4.83 GiB in the final validation at 200 rows at once,
+4.37 GiB at the 128 rows the preset now allows (a 2-step probe); before malloc's heaps were trimmed
+and the micro-batches shrunk, 6-11 GiB and growing.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _demo(root: str) -> list[str]:
     train, val = os.path.join(root, "train.jsonl"), os.path.join(root, "heldout.jsonl")
     _write_jsonl(train, [p.row() for p in train_problems])
     _write_jsonl(val, [p.row() for p in heldout])
-    # Tuned for 2 CPU cores (9-14 minutes, 13-18 s a step; see trellis.recipes.demo for measurements).
+    # Tuned for 2 CPU cores (about 10 minutes, 13 s a step in fp32; trellis.recipes.demo has measurements).
     return [
         f"model.path={model}",
         # bf16 autocast where the CPU computes bf16 natively: AMX matmuls made a training step ~1.7x
