@@ -24,8 +24,9 @@ since; docs/performance.md "Memory"), fp32 on a busy machine: 10 min 23 s, steps
 (generation 4.0 s, update 9.1 s) against 18 min 35 s and 25.4 s when every stage faulted its memory
 in again; 4.0% -> 59.5% either way. Memory: 4.18 GiB resident after every step (the update's
 working set stays with the process), peak 4.83 GiB in the final validation at 200 rows at once,
-4.37 GiB at the 128 rows the preset now allows (a 2-step probe); before malloc's heaps were trimmed
-and the micro-batches shrunk, 6-11 GiB and growing.
+4.37 GiB at the 128 rows the preset now allows (a 2-step probe) and 4.22 GiB over a whole run with
+them (one torch thread next to another busy process: 16 min, 4.0% -> 54.5%); before malloc's heaps
+were trimmed and the micro-batches shrunk, 6-11 GiB and growing.
 """
 
 from __future__ import annotations
