@@ -36,6 +36,7 @@ DEPS_FLOOR = (
     "from transformers import AutoTokenizer, LlamaForCausalLM"
 )
 """What ``trellis train --preset tiny`` imports from its dependencies (the tiny model is a Llama)."""
+DEPS = "dependency imports"
 
 
 def median_seconds(cmd: Command, repeats: int) -> float:
@@ -78,7 +79,7 @@ def main() -> None:
             ("python -c 'import trellis'", [python, "-c", "import trellis"], n, ("over bare", 0.3)),
             ("trellis plugins list", [trellis, "plugins", "list"], n, ("absolute", 1.0)),
             (TORCH_FLOOR, [python, "-c", TORCH_FLOOR], n, None),
-            ("dependency imports", [python, "-c", DEPS_FLOOR], n, None),
+            (DEPS, [python, "-c", DEPS_FLOOR], n, None),
             (TRAIN, train_tiny, args.train_repeats, ("absolute", 4.0)),
         ]
         results = {label: median_seconds(cmd, repeats) for label, cmd, repeats, _ in cases}
@@ -97,7 +98,7 @@ def main() -> None:
             value = seconds - bare if kind == "over bare" else seconds
             note = f"< {limit} s {kind}: {'met' if value < limit else 'MISSED'} ({value:.3f} s)"
         if label == TRAIN:  # how far from the target, and how far from the least it could cost
-            floor, deps = results[TORCH_FLOOR], results["dependency imports"]
+            floor, deps = results[TORCH_FLOOR], results[DEPS]
             note += (
                 f", {seconds / limit:.2f}x the target; {seconds / floor:.1f}x '{TORCH_FLOOR}'; "
                 f"{seconds - deps:.2f} s beyond the dependency imports ({deps:.2f} s)"
