@@ -79,11 +79,16 @@ def test_forward_equals_the_plain_path_with_fewer_tokens(tiny_model_path, packed
     assert calls == [4 * PROMPT, 9 * (RESPONSE - 1)]
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_gradient_equals_the_plain_path(tiny_model_path, packed):
-    # micro-batches of 4 cut the groups: shared within each micro-batch only, still equal
+def test_gradient_equals_the_plain_path(tiny_model_path, packed, attn):
+    # micro-batches of 4 cut the groups: shared within each micro-batch only, still equal; eager attention
+    # (the demo's, faster on the CPU at its lengths) against the plain path's sdpa
     batch = grouped_batch()
-    shared, plain = (engine(tiny_model_path, packed=packed, mbs=4, share_prompt=on) for on in (True, False))
+    shared = engine(tiny_model_path, packed=packed, mbs=4, share_prompt=True, attn_implementation=attn)
+    plain = engine(tiny_model_path, packed=packed, mbs=4, share_prompt=False)
+    assert (shared.attn_implementation == "eager") == (attn == "eager")
+    assert plain.attn_implementation != "eager"
     loss = policy_loss_fn("token-mean")
     metrics = shared.forward_backward(batch, loss, compute_entropy=True)
     expected = plain.forward_backward(batch, loss, compute_entropy=True)

@@ -30,6 +30,7 @@ def test_preset_loads_into_a_valid_config(demo_cache, tiny_model_path):
     assert config.trainer.test_freq == config.trainer.total_training_steps > 0
     assert config.trainer.val_before_train and config.trainer.save_freq <= 0
     assert config.rollout.val_kwargs.do_sample is False  # held-out accuracy is greedy
+    assert config.model.attn_implementation == "eager"  # faster than sdpa at the demo's lengths on a CPU
     # one prompt's responses per micro-batch: the prompt runs once for all of them (model.share_prompt)
     assert config.actor.ppo_micro_batch_size_per_device == config.rollout.n == 8 and config.model.share_prompt
     (val,) = config.data.val_files

@@ -1,0 +1,125 @@
+"""The demo's update and generation with each attention kernel: ``sdpa`` against ``eager``, same run.
+
+    python benchmarks/attention.py [--steps 4] [--rounds 2] [--threads 2] [--preset demo]
+                                   [--attn sdpa eager] [key=value ...]
+
+Trains a preset (``demo``: SmolLM2-135M-Instruct, GRPO, a 60-token prompt and 8 responses of at
+most 16 tokens a group) for ``--steps`` steps with ``model.attn_implementation`` set to each of
+``--attn`` in turn, each side in a fresh Python process started by this script (so they never share
+the cores), the sides alternating which goes first from round to round. No validation and no
+checkpoints. The first step of each side is dropped (it faults in the process's memory); the figures
+are medians over the other steps of every round: ``timing/update_actor`` (forward, backward and
+optimizer step over the batch), ``timing/generate`` (the colocated ``hf`` replica, which loads the
+model with the same attention) and ``timing/step``, each also as a ratio to the first side of
+``--attn`` (the baseline).
+
+Why it matters on a CPU: at the demo's lengths every attention call is a few small matrices, and
+``sdpa``'s CPU flash kernel has a cost per call (blocking, buffers) that such short sequences cannot
+hide; ``eager`` (matmul, softmax, matmul) keeps every score in memory, so it is for short sequences
+only: at 2048 tokens it holds 4 x heads x 2048^2 bytes a layer for backward. This is a measurement,
+never a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+KEYS = ("timing/update_actor", "timing/generate", "timing/step")
+
+
+def side(args: argparse.Namespace) -> None:
+    """One side, in this process: train and print one JSON line of per-step timings."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import trellis
+    from trellis.config import load_config
+    from trellis.hooks import get_plugin_manager, hookimpl
+    from trellis.recipes.presets import preset_overrides
+
+    steps: list[dict[str, float]] = []
+
+    class Record:
+        @hookimpl
+        def trellis_step_end(self, step: int, metrics: dict[str, float]) -> None:
+            steps.append({key: float(metrics[key]) for key in KEYS if key in metrics})
+
+    overrides = [
+        *preset_overrides(args.preset),
+        f"model.attn_implementation={args.side}",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "trainer.save_freq=-1",
+        "trainer.trackers=[jsonl]",
+        f"trainer.experiment_name=attention-{args.side}",
+        *args.overrides,
+    ]
+    record = Record()
+    get_plugin_manager().register(record)
+    try:
+        trellis.train(load_config(None, overrides))
+    finally:
+        get_plugin_manager().unregister(record)
+    print(json.dumps({"attn": args.side, "steps": steps}), flush=True)
+
+
+def run_side(args: argparse.Namespace, attn: str) -> list[dict[str, float]]:
+    command = [sys.executable, __file__, "--side", attn, "--steps", str(args.steps)]
+    command += ["--threads", str(args.threads), "--preset", args.preset, *args.overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"the {attn} side failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])["steps"][1:]  # the first step faults the process's memory in
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps a side and round (1st dropped)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating the order")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    parser.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    parser.add_argument("--attn", nargs="+", default=["sdpa", "eager"], help="kernels; the 1st is the base")
+    parser.add_argument("--side", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps must be at least 2 (the first step of each side is dropped), got {args.steps}")
+    if args.side:
+        side(args)
+        return 0
+
+    print(f"preset {args.preset}: {args.steps} steps a side, {args.rounds} rounds, {args.threads} threads")
+    timings: dict[str, list[dict[str, float]]] = {attn: [] for attn in args.attn}
+    start = time.perf_counter()
+    for round_ in range(args.rounds):
+        order = args.attn if round_ % 2 == 0 else args.attn[::-1]
+        for attn in order:
+            timings[attn] += run_side(args, attn)
+            update = [round(s["timing/update_actor"], 2) for s in timings[attn][-(args.steps - 1) :]]
+            print(f"  round {round_ + 1} {attn}: update_actor {update} s", flush=True)
+    medians = {
+        attn: {key: statistics.median(s[key] for s in steps if key in s) for key in KEYS}
+        for attn, steps in timings.items()
+    }
+    base = medians[args.attn[0]]
+    seconds = time.perf_counter() - start
+    print(f"\nmedians over {args.rounds * (args.steps - 1)} steps a side ({seconds:.0f} s in all)")
+    print("| attention | update_actor s | x base | generate s | x base | step s | x base |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for attn, row in medians.items():
+        cells = " | ".join(f"{row[key]:.2f} | {row[key] / base[key]:.2f}" for key in KEYS)
+        print(f"| {attn} | {cells} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
