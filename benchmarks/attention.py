@@ -11,7 +11,8 @@ checkpoints. The first step of each side is dropped (it faults in the process's 
 are medians over the other steps of every round: ``timing/update_actor`` (forward, backward and
 optimizer step over the batch), ``timing/generate`` (the colocated ``hf`` replica, which loads the
 model with the same attention) and ``timing/step``, each also as a ratio to the first side of
-``--attn`` (the baseline).
+``--attn`` (the baseline). The preset's dtype applies (bf16 where the CPU computes it natively);
+``model.dtype=float32`` as an override compares in float32.
 
 Why it matters on a CPU: at the demo's lengths every attention call is a few small matrices, and
 ``sdpa``'s CPU flash kernel has a cost per call (blocking, buffers) that such short sequences cannot

@@ -26,10 +26,10 @@ in again; 4.0% -> 59.5% either way. Memory: 4.18 GiB resident after every step (
 working set stays with the process), peak 4.83 GiB in the final validation at 200 rows at once,
 4.37 GiB at the 128 rows the preset now allows (a 2-step probe) and 4.22 GiB over a whole run with
 them (one torch thread next to another busy process: 16 min, 4.0% -> 54.5%); before malloc's heaps
-were trimmed and the micro-batches shrunk, 6-11 GiB and growing. With eager attention (the preset's
-since; docs/performance.md, "Attention at short lengths"), fp32, on a slower day for the same machine:
-11 min 1 s, steps of 14.7 s (generation 5.3 s, update 9.0 s), 4.0% -> 54.0%, peak 3.94 GiB; the
-update took 0.80x sdpa's time in the same benchmark run.
+were trimmed and the micro-batches shrunk, 6-11 GiB and growing. On 2 cores of an AMD EPYC with
+AVX512-BF16 (bf16) and eager attention (the preset's in bf16 since; docs/performance.md, "Attention at
+short lengths"): 11 min 1 s, steps of 14.7 s (generation 5.3 s, update 9.0 s), 4.0% -> 54.0%, peak
+3.94 GiB; there the update took 0.80x sdpa's time in the same benchmark run.
 """
 
 from __future__ import annotations

@@ -91,11 +91,11 @@ def _demo(root: str) -> list[str]:
         # faster than float32 and the colocated replica's bf16 copy generated ~2x faster (the weight
         # sync costs ~0.1 s a step); without AVX512-BF16 / AMX torch emulates bf16, ~6x slower than fp32.
         f"model.dtype={'bfloat16' if native_bf16() else 'float32'}",
-        # eager attention (matmul, softmax, matmul): at the demo's lengths (a 60-token prompt, 8 x 16 response
-        # tokens) the update took 0.80x sdpa's time and the step 0.88x on 2 fp32 cores
-        # (benchmarks/attention.py); sdpa's CPU flash kernel pays a cost per call that such short sequences
-        # cannot hide
-        "model.attn_implementation=eager",
+        # In bf16, eager attention (matmul, softmax, matmul): at the demo's lengths (a 60-token prompt, 8 x 16
+        # response tokens) sdpa's CPU flash backward cost ~10 ms a call; eager made the update 0.80x and the
+        # step 0.88x of sdpa's (AVX512-BF16, 2 cores). In float32 eager was 1.09x sdpa's
+        # (benchmarks/attention.py).
+        f"model.attn_implementation={'eager' if native_bf16() else 'sdpa'}",
         "rollout.mode=colocated",
         f"data.train_files=[{train}]",
         f"data.val_files=[{val}]",
