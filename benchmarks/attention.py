@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from _common import training_only  # benchmarks/_common.py: the script's own folder
+
 KEYS = ("timing/update_actor", "timing/generate", "timing/step")
 
 
@@ -42,7 +44,6 @@ def side(args: argparse.Namespace) -> None:
     import trellis
     from trellis.config import load_config
     from trellis.hooks import get_plugin_manager, hookimpl
-    from trellis.recipes.presets import preset_overrides
 
     steps: list[dict[str, float]] = []
 
@@ -52,14 +53,8 @@ def side(args: argparse.Namespace) -> None:
             steps.append({key: float(metrics[key]) for key in KEYS if key in metrics})
 
     overrides = [
-        *preset_overrides(args.preset),
+        *training_only(args.preset, args.steps, f"attention-{args.side}"),
         f"model.attn_implementation={args.side}",
-        f"trainer.total_training_steps={args.steps}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=0",
-        "trainer.save_freq=-1",
-        "trainer.trackers=[jsonl]",
-        f"trainer.experiment_name=attention-{args.side}",
         *args.overrides,
     ]
     record = Record()

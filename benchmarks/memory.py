@@ -47,6 +47,8 @@ import time
 import warnings
 from typing import Any
 
+from _common import training_only  # benchmarks/_common.py: the script's own folder
+
 GIB = 2**30
 
 
@@ -166,19 +168,9 @@ def main() -> int:
 
     import trellis
     from trellis.hooks import get_plugin_manager, hookimpl
-    from trellis.recipes.presets import preset_overrides
     from trellis.trainer import ppo
 
-    overrides = [
-        *preset_overrides(args.preset),
-        f"trainer.total_training_steps={args.steps}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=0",
-        "trainer.save_freq=-1",
-        "trainer.trackers=[jsonl]",
-        "trainer.experiment_name=memory",
-        *args.overrides,
-    ]
+    overrides = [*training_only(args.preset, args.steps, "memory"), *args.overrides]
     env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k.endswith("_THREADS")}
     print(f"preset {args.preset}, {args.steps} steps, torch threads {torch.get_num_threads()}, env {env}")
     rows: list[dict[str, Any]] = []

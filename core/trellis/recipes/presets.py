@@ -84,18 +84,19 @@ def _demo(root: str) -> list[str]:
     train, val = os.path.join(root, "train.jsonl"), os.path.join(root, "heldout.jsonl")
     _write_jsonl(train, [p.row() for p in train_problems])
     _write_jsonl(val, [p.row() for p in heldout])
+    bf16 = native_bf16()  # reads /proc/cpuinfo: once for the dtype and the attention below
     # Tuned for 2 CPU cores (about 10 minutes, 13 s a step in fp32; trellis.recipes.demo has measurements).
     return [
         f"model.path={model}",
         # bf16 autocast where the CPU computes bf16 natively: AMX matmuls made a training step ~1.7x
         # faster than float32 and the colocated replica's bf16 copy generated ~2x faster (the weight
         # sync costs ~0.1 s a step); without AVX512-BF16 / AMX torch emulates bf16, ~6x slower than fp32.
-        f"model.dtype={'bfloat16' if native_bf16() else 'float32'}",
+        f"model.dtype={'bfloat16' if bf16 else 'float32'}",
         # In bf16, eager attention (matmul, softmax, matmul): at the demo's lengths (a 60-token prompt, 8 x 16
         # response tokens) sdpa's CPU flash backward cost ~10 ms a call; eager made the update 0.80x and the
         # step 0.88x of sdpa's (AVX512-BF16, 2 cores). In float32 eager was 1.09x sdpa's
         # (benchmarks/attention.py).
-        f"model.attn_implementation={'eager' if native_bf16() else 'sdpa'}",
+        f"model.attn_implementation={'eager' if bf16 else 'sdpa'}",
         "rollout.mode=colocated",
         f"data.train_files=[{train}]",
         f"data.val_files=[{val}]",
