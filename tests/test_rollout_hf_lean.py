@@ -85,6 +85,23 @@ def test_the_lean_step_gives_the_transformers_logits(build):
     assert max(diffs) < 1e-5 and lean.transposed_weights == 0
 
 
+def test_bf16_attention_runs_on_float32_copies_on_the_cpu(monkeypatch):
+    # torch's CPU attention kernel is about 2x slower in bf16 than on float32 copies at decoding's shapes
+    real, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    diffs, _ = _compare(llama().to(torch.bfloat16), transpose=False, steps=3)
+    # 2 layers x 3 steps in float32 (the lean step's); the transformers reference's stay bf16
+    assert seen.count((torch.float32,) * 3) == 6 and (torch.bfloat16,) * 3 in seen
+    assert max(diffs) < 0.05  # the reference computes its attention in bf16
+    assert hf_lean.attention_upcast(torch.zeros(1, dtype=torch.float32)) is None
+    assert hf_lean.attention_upcast(torch.zeros(1, dtype=torch.float16)) == torch.float32
+
+
 def test_transposed_weight_copies_give_the_same_logits(monkeypatch):
     assert LeanDecoder(llama(), transpose=True).transposed_weights == 0  # all under TRANSPOSE_MIN_ELEMENTS
     wide = llama(vocab_size=2048)  # lm_head 2048 x 32 = TRANSPOSE_MIN_ELEMENTS: copied

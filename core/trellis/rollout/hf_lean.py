@@ -43,6 +43,21 @@ TRANSPOSE_MIN_ROWS = 4
 fast on the original layout."""
 
 
+def attention_upcast(x: Any) -> Any:
+    """The dtype a decoding step's attention runs in instead of ``x``'s, or None for ``x``'s own.
+
+    On the CPU, float32 for bf16 / fp16 activations: torch's CPU attention kernel took 7.3 ms in bf16
+    and 3.2 ms on float32 copies of the same inputs (64 rows, 9 heads over 3, one query over 92 keys;
+    the copies included), and the float32 result is the closer one to a float64 reference. Elsewhere
+    (CUDA's half-precision kernels) None.
+    """
+    import torch
+
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return None
+
+
 def lean_unsupported(model: Any) -> str | None:
     """Why :class:`LeanDecoder` cannot decode ``model`` (a sentence), or None when it can."""
     config: Any = getattr(model, "config", None)
@@ -228,6 +243,7 @@ class LeanDecoder:
         attend = mask.to(torch.bool)[:, None, None, :]
         x = self.inner.embed_tokens(tokens)[:, None, :]
         cos, sin = self._rotary(positions, x.dtype)
+        upcast = attention_upcast(x)
         h_, kvh, d = self.heads, self.kv_heads, self.head_dim
         for layer, (keys, values) in zip(self.inner.layers, kv.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
@@ -236,14 +252,12 @@ class LeanDecoder:
             k = self._linear(h, attn.k_proj).view(rows, 1, kvh, d).transpose(1, 2)
             keys[:, :, col : col + 1] = self._rotate(k, cos, sin)
             values[:, :, col : col + 1] = self._linear(h, attn.v_proj).view(rows, 1, kvh, d).transpose(1, 2)
+            q, k, v = self._rotate(q, cos, sin), keys[:, :, : col + 1], values[:, :, : col + 1]
+            if upcast is not None:
+                q, k, v = q.to(upcast), k.to(upcast), v.to(upcast)
             out = F.scaled_dot_product_attention(
-                self._rotate(q, cos, sin),
-                keys[:, :, : col + 1],
-                values[:, :, : col + 1],
-                attn_mask=attend,
-                scale=attn.scaling,
-                enable_gqa=kvh != h_,
-            )
+                q, k, v, attn_mask=attend, scale=attn.scaling, enable_gqa=kvh != h_
+            ).to(x.dtype)
             x = x + self._linear(out.transpose(1, 2).reshape(rows, 1, h_ * d), attn.o_proj)
             h = self._norm(x, layer.post_attention_layernorm)
             gated = F.silu(self._linear(h, mlp.gate_proj)) * self._linear(h, mlp.up_proj)
