@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py [--steps 4] [--rounds 2] [--threads 2] [--preset demo]
                                    [--attn sdpa eager] [key=value ...]
+    python benchmarks/attention.py --attn eager eager+native-decode   # the replica's decode attention
 
 Trains a preset (``demo``: SmolLM2-135M-Instruct, GRPO, a 60-token prompt and 8 responses of at
 most 16 tokens a group) for ``--steps`` steps with ``model.attn_implementation`` set to each of
@@ -13,6 +14,11 @@ optimizer step over the batch), ``timing/generate`` (the colocated ``hf`` replic
 model with the same attention) and ``timing/step``, each also as a ratio to the first side of
 ``--attn`` (the baseline). The preset's dtype applies (bf16 where the CPU computes it natively);
 ``model.dtype=float32`` as an override compares in float32.
+
+A side named ``KERNEL+native-decode`` trains with ``KERNEL`` but lets the ``hf`` replica's lean decoding
+step run its attention in the activations' own dtype (``trellis.rollout.hf_lean.attention_upcast``
+patched to None in that side's process), where by default it runs on float32 copies for bf16 / fp16 on
+the CPU: ``--attn eager eager+native-decode`` measures what those copies buy ``timing/generate``.
 
 Why it matters on a CPU: at the demo's lengths every attention call is a few small matrices, and
 ``sdpa``'s CPU flash kernel has a cost per call (blocking, buffers) that such short sequences cannot
@@ -34,6 +40,7 @@ import time
 from _common import training_only  # benchmarks/_common.py: the script's own folder
 
 KEYS = ("timing/update_actor", "timing/generate", "timing/step")
+NATIVE_DECODE = "+native-decode"
 
 
 def side(args: argparse.Namespace) -> None:
@@ -44,6 +51,7 @@ def side(args: argparse.Namespace) -> None:
     import trellis
     from trellis.config import load_config
     from trellis.hooks import get_plugin_manager, hookimpl
+    from trellis.rollout import hf_lean
 
     steps: list[dict[str, float]] = []
 
@@ -52,9 +60,12 @@ def side(args: argparse.Namespace) -> None:
         def trellis_step_end(self, step: int, metrics: dict[str, float]) -> None:
             steps.append({key: float(metrics[key]) for key in KEYS if key in metrics})
 
+    kernel = args.side.removesuffix(NATIVE_DECODE)
+    if kernel != args.side:
+        hf_lean.attention_upcast = lambda x: None  # the lean step's attention in the activations' dtype
     overrides = [
-        *training_only(args.preset, args.steps, f"attention-{args.side}"),
-        f"model.attn_implementation={args.side}",
+        *training_only(args.preset, args.steps, f"attention-{kernel}"),
+        f"model.attn_implementation={kernel}",
         *args.overrides,
     ]
     record = Record()
@@ -83,7 +94,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating the order")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
     parser.add_argument("--preset", default="demo", choices=["demo", "tiny"])
-    parser.add_argument("--attn", nargs="+", default=["sdpa", "eager"], help="kernels; the 1st is the base")
+    parser.add_argument(
+        "--attn", nargs="+", default=["sdpa", "eager"],
+        help=f"kernels (KERNEL{NATIVE_DECODE}: decode attention in the model's dtype); the 1st is the base",
+    )  # fmt: skip
     parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()

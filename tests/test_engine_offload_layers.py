@@ -254,7 +254,7 @@ def test_cuda_peak_memory_stays_under_a_budget_smaller_than_the_training_state(t
 def test_the_tiny_preset_trains_offloaded_as_with_single(tmp_path):
     """``trellis train --preset tiny actor.engine=offload``: in float32 the per-step rewards are the
     ``single`` engine's exactly (weights reach the rollout through weight sync); with bfloat16 working
-    copies the run reaches the same validation reward."""
+    copies the run learns and reaches the same validation reward by the preset's last step."""
     from test_trainer import QUICK, run
 
     def rewards(result):
@@ -266,11 +266,14 @@ def test_the_tiny_preset_trains_offloaded_as_with_single(tmp_path):
     single = run(tmp_path, *QUICK, "trainer.total_training_steps=6", name="single")
     offload = run(tmp_path, *QUICK, "trainer.total_training_steps=6", "actor.engine=offload", name="offload")
     assert rewards(offload) == rewards(single) and len(rewards(single)) == 6
+    # bf16 runs the preset's 12 steps: its rollout decodes in bf16, so which tokens are sampled depends on
+    # the replica's numerics, and at step 6 the greedy validation still flips between 0 and 1 with them
     bf16 = run(
-        tmp_path, *QUICK, "trainer.total_training_steps=6", "actor.engine=offload", "model.dtype=bfloat16",
-        "ref.engine=offload", name="bf16",
+        tmp_path, *QUICK, "actor.engine=offload", "model.dtype=bfloat16", "ref.engine=offload", name="bf16"
     )  # fmt: skip
-    assert val(bf16) == val(single) and len(val(single)) == 1
+    assert val(single) == [1.0] and val(bf16)[-1] == 1.0 and len(val(bf16)) == 2
+    trained = rewards(bf16)
+    assert len(trained) == 12 and sum(trained[-4:]) > 1.2 * sum(trained[:4])  # it learns, not just ends well
     assert "timing/weight_sync" in bf16.history[-1]  # not the hybrid shortcut: the rollout gets the masters
 
 
