@@ -30,8 +30,8 @@ def test_preset_loads_into_a_valid_config(demo_cache, tiny_model_path):
     assert config.trainer.test_freq == config.trainer.total_training_steps > 0
     assert config.trainer.val_before_train and config.trainer.save_freq <= 0
     assert config.rollout.val_kwargs.do_sample is False  # held-out accuracy is greedy
-    # one prompt's responses per micro-batch: the prompt runs once for all of them (model.share_prompt)
-    assert config.actor.ppo_micro_batch_size_per_device == config.rollout.n == 8 and config.model.share_prompt
+    # whole groups per micro-batch: each prompt runs once for all its responses (model.share_prompt)
+    assert config.actor.ppo_micro_batch_size_per_device % config.rollout.n == 0 and config.model.share_prompt
     (val,) = config.data.val_files
     assert str(demo_cache / "cache") in val
     with open(val, encoding="utf-8") as f:
@@ -40,15 +40,17 @@ def test_preset_loads_into_a_valid_config(demo_cache, tiny_model_path):
 
 
 @pytest.mark.parametrize(
-    ("native", "dtype", "attn"), [(True, "bfloat16", "eager"), (False, "float32", "sdpa")]
+    ("native", "dtype", "attn", "groups"), [(True, "bfloat16", "eager", 2), (False, "float32", "sdpa", 1)]
 )
 def test_demo_trains_in_bf16_only_where_the_cpu_computes_it_natively(
-    demo_cache, monkeypatch, native, dtype, attn
+    demo_cache, monkeypatch, native, dtype, attn, groups
 ):
     monkeypatch.setattr("trellis.recipes.presets.native_bf16", lambda: native)
-    model = load_config(None, preset_overrides("demo")).model
+    config = load_config(None, preset_overrides("demo"))
     # eager attention beat sdpa's CPU flash kernel at the demo's lengths in bf16, not in float32
-    assert (model.dtype, model.attn_implementation) == (dtype, attn)
+    assert (config.model.dtype, config.model.attn_implementation) == (dtype, attn)
+    # two groups a micro-batch fit the 5 GB peak in bf16 (4.21 GiB), not with room to spare in float32
+    assert config.actor.ppo_micro_batch_size_per_device == groups * config.rollout.n
 
 
 def test_heldout_accuracy_reads_the_first_and_last_validation():
@@ -59,6 +61,18 @@ def test_heldout_accuracy_reads_the_first_and_last_validation():
 
 
 def test_main_trains_and_reports_on_the_tiny_model(demo_cache, capsys):
+    import gc
+
+    from trellis.hooks import get_plugin_manager, hookimpl
+
+    frozen: list[int] = []
+
+    class Frozen:
+        @hookimpl
+        def trellis_step_end(self) -> None:
+            frozen.append(gc.get_freeze_count())
+
+    get_plugin_manager().register(recorder := Frozen())
     overrides = [
         "data.max_prompt_length=512",
         "trainer.total_training_steps=2",
@@ -66,7 +80,13 @@ def test_main_trains_and_reports_on_the_tiny_model(demo_cache, capsys):
         "trainer.trackers=[jsonl]",
         f"trainer.run_dir={demo_cache / 'run'}",
     ]
-    assert demo.main(overrides) == 0
+    try:
+        assert demo.main(overrides) == 0
+    finally:
+        get_plugin_manager().unregister(recorder)
+    # the start-up heap is frozen while it trains (the replica's per-step collection skips it), and
+    # thawed after
+    assert len(frozen) == 2 and min(frozen) > 10_000 and gc.get_freeze_count() == 0
     out = capsys.readouterr().out
     before = float(re.search(r"before training: +([\d.]+)%", out).group(1))
     after = float(re.search(r"after 2 GRPO steps: +([\d.]+)%", out).group(1))
