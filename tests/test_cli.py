@@ -318,12 +318,12 @@ def _installed(distribution: str) -> bool:
 def test_start_up_gc_collects_rarely_until_the_run_starts_then_freezes_what_survived():
     import gc
 
-    from trellis.cli import START_UP_GC_THRESHOLDS, _start_up_gc
     from trellis.hooks import get_plugin_manager
+    from trellis.startup_gc import START_UP_GC_THRESHOLDS, start_up_gc
 
     before, plugins = gc.get_threshold(), len(get_plugin_manager().get_plugins())
     assert gc.get_freeze_count() == 0
-    with _start_up_gc():
+    with start_up_gc():
         assert gc.get_threshold() == START_UP_GC_THRESHOLDS
         assert gc.get_freeze_count() == 0
         get_plugin_manager().hook.trellis_train_start(config=None, run_dir="unused")  # what fit calls
@@ -337,10 +337,10 @@ def test_start_up_gc_collects_rarely_until_the_run_starts_then_freezes_what_surv
 def test_start_up_gc_is_undone_when_the_run_fails_before_its_first_step():
     import gc
 
-    from trellis.cli import _start_up_gc
+    from trellis.startup_gc import start_up_gc
 
     before = gc.get_threshold()
-    with pytest.raises(RuntimeError, match="no data"), _start_up_gc():
+    with pytest.raises(RuntimeError, match="no data"), start_up_gc():
         raise RuntimeError("no data")
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 

@@ -335,51 +335,10 @@ def _profile_tables_shown(enabled: bool) -> Iterator[None]:
         log.setLevel(level)
 
 
-START_UP_GC_THRESHOLDS = (100_000, 50, 1000)
-"""The garbage collector's thresholds while a ``trellis train`` run starts (CPython's are 700, 10, 10)."""
-
-
-@contextlib.contextmanager
-def _start_up_gc() -> Iterator[None]:
-    """Rare garbage collections while the block starts a run, and none of the start-up heap after.
-
-    Starting a run creates ~400k objects that live as long as the process: the modules of torch and
-    transformers, the model, the data. With CPython's default thresholds the collector walks that
-    growing heap ~1,100 times while they load (7 times all of it): ~12% of ``trellis train --preset
-    tiny`` (docs/performance.md, "Start-up"). Until the first step (the ``trellis_train_start`` hook)
-    young collections are 140x rarer (:data:`START_UP_GC_THRESHOLDS`); then one full collection frees
-    the start-up garbage, what survives is frozen (``gc.freeze``: later collections skip it) and the
-    previous thresholds come back. After the block everything is as before (``gc.unfreeze``), for
-    callers that go on in the same process. Nothing a run computes depends on when garbage is collected.
-    """
-    from trellis.hooks import get_plugin_manager, hookimpl
-
-    thresholds = gc.get_threshold()
-    owns_freeze = gc.get_freeze_count() == 0  # someone else's frozen objects stay frozen
-
-    class StartUpEnd:
-        @hookimpl
-        def trellis_train_start(self) -> None:
-            gc.set_threshold(*thresholds)
-            if owns_freeze:
-                gc.collect()
-                gc.freeze()
-
-    plugin = StartUpEnd()
-    manager = get_plugin_manager()
-    gc.set_threshold(*START_UP_GC_THRESHOLDS)
-    manager.register(plugin)
-    try:
-        yield
-    finally:
-        manager.unregister(plugin)
-        gc.set_threshold(*thresholds)
-        if owns_freeze:
-            gc.unfreeze()
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    with _start_up_gc():
+    from trellis.startup_gc import start_up_gc
+
+    with start_up_gc():
         return _train(args)
 
 
