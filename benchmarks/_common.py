@@ -29,3 +29,73 @@ def training_only(preset: str, steps: int, name: str) -> list[str]:
         "trainer.trackers=[jsonl]",
         f"trainer.experiment_name={name}",
     ]
+
+
+TIMING_KEYS = ("timing/update_actor", "timing/generate", "timing/step")
+"""The per-step timings the side-by-side preset benchmarks (attention.py, micro_batch.py) compare."""
+
+
+def train_and_print_timings(overrides: list[str], threads: int, label: str) -> None:
+    """One side, in this process: train with ``overrides`` and print one JSON line: ``label``, the
+    per-step :data:`TIMING_KEYS` and the process's peak resident set (GiB)."""
+    import json
+
+    import torch
+
+    torch.set_num_threads(threads)
+    import trellis
+    from trellis.config import load_config
+    from trellis.hooks import get_plugin_manager, hookimpl
+    from trellis.utils.memory import GIB, peak_rss_bytes
+
+    steps: list[dict[str, float]] = []
+
+    class Record:
+        @hookimpl
+        def trellis_step_end(self, step: int, metrics: dict[str, float]) -> None:
+            steps.append({key: float(metrics[key]) for key in TIMING_KEYS if key in metrics})
+
+    record = Record()
+    get_plugin_manager().register(record)
+    try:
+        trellis.train(load_config(None, overrides))
+    finally:
+        get_plugin_manager().unregister(record)
+    print(json.dumps({"side": label, "steps": steps, "peak_rss_gib": peak_rss_bytes() / GIB}), flush=True)
+
+
+def run_fresh_side(command: list[str], threads: int, label: str) -> dict:
+    """Run ``command`` (a script's ``--side`` mode, which calls :func:`train_and_print_timings`) in a
+    fresh process with ``threads`` OpenMP threads; its JSON line, the first step dropped (it faults the
+    process's memory in)."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"the {label} side failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    result["steps"] = result["steps"][1:]
+    return result
+
+
+def print_median_table(label: str, timings: dict[str, list[dict[str, float]]], extra: dict[str, str]) -> None:
+    """A markdown table: per side the median of each of :data:`TIMING_KEYS` and its ratio to the first
+    side's, then the side's ``extra`` cell (e.g. its peak memory) under the last column."""
+    import statistics
+
+    medians = {
+        side: {key: statistics.median(s[key] for s in steps if key in s) for key in TIMING_KEYS}
+        for side, steps in timings.items()
+    }
+    base = next(iter(medians.values()))
+    last = " | peak RSS GiB" if extra else ""
+    print(f"| {label} | update_actor s | x base | generate s | x base | step s | x base{last} |")
+    print("|---|---:|---:|---:|---:|---:|---:" + ("|---:" if extra else "") + "|")
+    for side, row in medians.items():
+        cells = " | ".join(f"{row[key]:.2f} | {row[key] / base[key]:.2f}" for key in TIMING_KEYS)
+        tail = f" | {extra[side]}" if extra else ""
+        print(f"| {side} | {cells}{tail} |")

@@ -30,35 +30,18 @@ never a pass/fail test.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 import time
 
-from _common import training_only  # benchmarks/_common.py: the script's own folder
+# benchmarks/_common.py: the script's own folder
+from _common import print_median_table, run_fresh_side, train_and_print_timings, training_only
 
-KEYS = ("timing/update_actor", "timing/generate", "timing/step")
 NATIVE_DECODE = "+native-decode"
 
 
 def side(args: argparse.Namespace) -> None:
     """One side, in this process: train and print one JSON line of per-step timings."""
-    import torch
-
-    torch.set_num_threads(args.threads)
-    import trellis
-    from trellis.config import load_config
-    from trellis.hooks import get_plugin_manager, hookimpl
     from trellis.rollout import hf_lean
-
-    steps: list[dict[str, float]] = []
-
-    class Record:
-        @hookimpl
-        def trellis_step_end(self, step: int, metrics: dict[str, float]) -> None:
-            steps.append({key: float(metrics[key]) for key in KEYS if key in metrics})
 
     kernel = args.side.removesuffix(NATIVE_DECODE)
     if kernel != args.side:
@@ -68,24 +51,13 @@ def side(args: argparse.Namespace) -> None:
         f"model.attn_implementation={kernel}",
         *args.overrides,
     ]
-    record = Record()
-    get_plugin_manager().register(record)
-    try:
-        trellis.train(load_config(None, overrides))
-    finally:
-        get_plugin_manager().unregister(record)
-    print(json.dumps({"attn": args.side, "steps": steps}), flush=True)
+    train_and_print_timings(overrides, args.threads, args.side)
 
 
 def run_side(args: argparse.Namespace, attn: str) -> list[dict[str, float]]:
     command = [sys.executable, __file__, "--side", attn, "--steps", str(args.steps)]
     command += ["--threads", str(args.threads), "--preset", args.preset, *args.overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise SystemExit(f"the {attn} side failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])["steps"][1:]  # the first step faults the process's memory in
+    return run_fresh_side(command, args.threads, attn)["steps"]
 
 
 def main() -> int:
@@ -116,18 +88,9 @@ def main() -> int:
             timings[attn] += run_side(args, attn)
             update = [round(s["timing/update_actor"], 2) for s in timings[attn][-(args.steps - 1) :]]
             print(f"  round {round_ + 1} {attn}: update_actor {update} s", flush=True)
-    medians = {
-        attn: {key: statistics.median(s[key] for s in steps if key in s) for key in KEYS}
-        for attn, steps in timings.items()
-    }
-    base = medians[args.attn[0]]
     seconds = time.perf_counter() - start
     print(f"\nmedians over {args.rounds * (args.steps - 1)} steps a side ({seconds:.0f} s in all)")
-    print("| attention | update_actor s | x base | generate s | x base | step s | x base |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for attn, row in medians.items():
-        cells = " | ".join(f"{row[key]:.2f} | {row[key] / base[key]:.2f}" for key in KEYS)
-        print(f"| {attn} | {cells} |")
+    print_median_table("attention", timings, {})
     return 0
 
 

@@ -111,10 +111,11 @@ def _demo(root: str) -> list[str]:
         # Whole groups per micro-batch: model.share_prompt runs each prompt once (about 60 tokens and
         # 8 x 16 response tokens instead of 8 x 76), which also bounds the activations kept for backward
         # (about 75 KB per token and layer in float32; 32 unshared rows held ~5 GiB and peaked at 7-10 GiB).
-        # In bf16 two groups: the update took 0.72x one group's time (a micro-batch has a cost of its own:
-        # weight-gradient matmuls whose inner dimension is the micro-batch's tokens, casts and gradient
-        # accumulation) at a 4.21 GiB peak (3.89 with one group; four groups: 4.85 GiB, over the 5 GB
-        # target). In float32 two groups peaked at 4.59 GiB, too close to it (benchmarks/memory.py).
+        # In bf16 two groups: the update took 0.75x one group's time and the step 0.80x (a micro-batch has
+        # a cost of its own: weight-gradient matmuls whose inner dimension is its tokens, casts, gradient
+        # accumulation) at a 4.21 GiB peak (3.88 with one group; four groups: update 0.61x, but 4.85 GiB,
+        # over the 5 GB target; benchmarks/micro_batch.py). In float32 two groups peaked at 4.59 GiB, too
+        # close to it (benchmarks/memory.py).
         f"actor.ppo_micro_batch_size_per_device={16 if bf16 else 8}",
         "actor.optim.lr=2e-5",
         # the replica decodes at most 128 rows at once: the final validation's 200 prompts at once held

@@ -1,0 +1,81 @@
+"""The demo's step with each micro-batch size: time and peak memory, side by side in the same run.
+
+    python benchmarks/micro_batch.py [--sizes 8 16 32] [--steps 4] [--rounds 2] [--threads 2]
+                                     [--preset demo] [key=value ...]
+
+Trains a preset (``demo``: SmolLM2-135M-Instruct, GRPO, 8 prompts x 8 responses a step, one optimizer
+step over all 64 rows) for ``--steps`` steps with ``actor.ppo_micro_batch_size_per_device`` set to
+each of ``--sizes`` in turn, each side in a fresh Python process (so they never share the cores and
+each has its own peak), the sides alternating which goes first from round to round. No validation
+and no checkpoints. The first step of each side is dropped (it faults the process's memory in); the
+figures are medians over the other steps of every round: ``timing/update_actor`` (forward, backward
+and the optimizer step: the stage the micro-batch size changes), ``timing/generate`` and
+``timing/step``, each as a ratio to the first size (the baseline), and the largest peak resident set
+of the side's processes (``VmHWM``: the weights, optimizer state, gradients and the micro-batch's
+activations at once).
+
+The preset's dtype and attention apply (bf16 and eager where the CPU computes bf16 natively);
+``model.dtype=float32 model.attn_implementation=sdpa`` compares in float32. With ``model.share_prompt``
+a micro-batch of whole groups runs each prompt once, so sizes that are multiples of ``rollout.n``
+(8 in the demo) keep that. What a larger micro-batch buys is fewer micro-batches, each with a cost of
+its own (weight-gradient matmuls whose inner dimension is the micro-batch's tokens, autocast's weight
+casts, gradient accumulation); what it costs is activations held for backward. This is a measurement,
+never a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+# benchmarks/_common.py: the script's own folder
+from _common import print_median_table, run_fresh_side, train_and_print_timings, training_only
+
+
+def run_side(args: argparse.Namespace, size: int) -> dict:
+    command = [sys.executable, __file__, "--side", str(size), "--steps", str(args.steps)]
+    command += ["--threads", str(args.threads), "--preset", args.preset, *args.overrides]
+    return run_fresh_side(command, args.threads, f"micro-batch {size}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32], help="rows; the 1st is the base")
+    parser.add_argument("--steps", type=int, default=4, help="steps a side and round (1st dropped)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating the order")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    parser.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    parser.add_argument("--side", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps must be at least 2 (the first step of each side is dropped), got {args.steps}")
+    if any(size < 1 for size in args.sizes):
+        parser.error(f"--sizes must be positive row counts, got {args.sizes}")
+    if args.side is not None:
+        overrides = training_only(args.preset, args.steps, f"micro-batch-{args.side}")
+        overrides += [f"actor.ppo_micro_batch_size_per_device={args.side}", *args.overrides]
+        train_and_print_timings(overrides, args.threads, str(args.side))
+        return 0
+
+    print(f"preset {args.preset}: {args.steps} steps a side, {args.rounds} rounds, {args.threads} threads")
+    timings: dict[str, list[dict[str, float]]] = {str(size): [] for size in args.sizes}
+    peaks: dict[str, float] = {str(size): 0.0 for size in args.sizes}
+    start = time.perf_counter()
+    for round_ in range(args.rounds):
+        order = args.sizes if round_ % 2 == 0 else args.sizes[::-1]
+        for size in order:
+            result = run_side(args, size)
+            timings[str(size)] += result["steps"]
+            peaks[str(size)] = max(peaks[str(size)], result["peak_rss_gib"])
+            update = [round(s["timing/update_actor"], 2) for s in result["steps"]]
+            print(f"  round {round_ + 1} micro-batch {size}: update_actor {update} s", flush=True)
+    seconds = time.perf_counter() - start
+    print(f"\nmedians over {args.rounds * (args.steps - 1)} steps a side ({seconds:.0f} s in all)")
+    print_median_table("micro-batch rows", timings, {size: f"{peak:.2f}" for size, peak in peaks.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
