@@ -29,7 +29,10 @@ them (one torch thread next to another busy process: 16 min, 4.0% -> 54.5%); bef
 were trimmed and the micro-batches shrunk, 6-11 GiB and growing. On 2 cores of an AMD EPYC with
 AVX512-BF16 (bf16) and eager attention (the preset's in bf16 since; docs/performance.md, "Attention at
 short lengths"): 11 min 1 s, steps of 14.7 s (generation 5.3 s, update 9.0 s), 4.0% -> 54.0%, peak
-3.94 GiB; there the update took 0.80x sdpa's time in the same benchmark run.
+3.94 GiB; there the update took 0.80x sdpa's time in the same benchmark run. On the same machine,
+with the replica's decoding attention on float32 copies, two groups a micro-batch and the start-up
+heap frozen (docs/performance.md, "Micro-batches of whole groups"): 6 min 33 s, steps of 8.9 s
+(generation 3.2 s, update 5.5 s), 5.0% -> 59.5%, peak 4.33 GiB.
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m trellis.recipes.demo [key=value ...]``: run the demo and print its summary."""
     parser = argparse.ArgumentParser(
         prog="python -m trellis.recipes.demo",
-        description="GRPO on SmolLM2-135M-Instruct with generated arithmetic word problems (CPU, ~10 min).",
+        description="GRPO on SmolLM2-135M-Instruct with generated arithmetic word problems (CPU, 6-10 min).",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on the preset")
     args = parser.parse_args(argv)
