@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def smollm2_or_note(skip: bool) -> tuple[str | None, str]:
     """``(path, "")`` of the cached SmolLM2-135M-Instruct folder, or ``(None, why it is skipped)``."""
@@ -82,9 +84,24 @@ def run_fresh_side(command: list[str], threads: int, label: str) -> dict:
     return result
 
 
-def print_median_table(label: str, timings: dict[str, list[dict[str, float]]], extra: dict[str, str]) -> None:
+def alternating_rounds(sides: list[str], rounds: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:
+    """``run(side)`` for every side, ``rounds`` times, the sides alternating which goes first from round
+    to round; per side the results in round order. Prints each run's ``update_actor`` seconds."""
+    results: dict[str, list[dict]] = {side: [] for side in sides}
+    for round_ in range(rounds):
+        for side in sides if round_ % 2 == 0 else sides[::-1]:
+            result = run(side)
+            results[side].append(result)
+            update = [round(s["timing/update_actor"], 2) for s in result["steps"]]
+            print(f"  round {round_ + 1} {side}: update_actor {update} s", flush=True)
+    return results
+
+
+def print_median_table(
+    label: str, timings: dict[str, list[dict[str, float]]], peaks: dict[str, float] | None = None
+) -> None:
     """A markdown table: per side the median of each of :data:`TIMING_KEYS` and its ratio to the first
-    side's, then the side's ``extra`` cell (e.g. its peak memory) under the last column."""
+    side's, then, given ``peaks``, the side's peak resident set (GiB)."""
     import statistics
 
     medians = {
@@ -92,10 +109,10 @@ def print_median_table(label: str, timings: dict[str, list[dict[str, float]]], e
         for side, steps in timings.items()
     }
     base = next(iter(medians.values()))
-    last = " | peak RSS GiB" if extra else ""
+    last = " | peak RSS GiB" if peaks else ""
     print(f"| {label} | update_actor s | x base | generate s | x base | step s | x base{last} |")
-    print("|---|---:|---:|---:|---:|---:|---:" + ("|---:" if extra else "") + "|")
+    print("|---|---:|---:|---:|---:|---:|---:" + ("|---:" if peaks else "") + "|")
     for side, row in medians.items():
         cells = " | ".join(f"{row[key]:.2f} | {row[key] / base[key]:.2f}" for key in TIMING_KEYS)
-        tail = f" | {extra[side]}" if extra else ""
+        tail = f" | {peaks[side]:.2f}" if peaks else ""
         print(f"| {side} | {cells}{tail} |")

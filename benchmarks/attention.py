@@ -34,7 +34,13 @@ import sys
 import time
 
 # benchmarks/_common.py: the script's own folder
-from _common import print_median_table, run_fresh_side, train_and_print_timings, training_only
+from _common import (
+    alternating_rounds,
+    print_median_table,
+    run_fresh_side,
+    train_and_print_timings,
+    training_only,
+)
 
 NATIVE_DECODE = "+native-decode"
 
@@ -54,10 +60,10 @@ def side(args: argparse.Namespace) -> None:
     train_and_print_timings(overrides, args.threads, args.side)
 
 
-def run_side(args: argparse.Namespace, attn: str) -> list[dict[str, float]]:
+def run_side(args: argparse.Namespace, attn: str) -> dict:
     command = [sys.executable, __file__, "--side", attn, "--steps", str(args.steps)]
     command += ["--threads", str(args.threads), "--preset", args.preset, *args.overrides]
-    return run_fresh_side(command, args.threads, attn)["steps"]
+    return run_fresh_side(command, args.threads, attn)
 
 
 def main() -> int:
@@ -80,17 +86,12 @@ def main() -> int:
         return 0
 
     print(f"preset {args.preset}: {args.steps} steps a side, {args.rounds} rounds, {args.threads} threads")
-    timings: dict[str, list[dict[str, float]]] = {attn: [] for attn in args.attn}
     start = time.perf_counter()
-    for round_ in range(args.rounds):
-        order = args.attn if round_ % 2 == 0 else args.attn[::-1]
-        for attn in order:
-            timings[attn] += run_side(args, attn)
-            update = [round(s["timing/update_actor"], 2) for s in timings[attn][-(args.steps - 1) :]]
-            print(f"  round {round_ + 1} {attn}: update_actor {update} s", flush=True)
+    results = alternating_rounds(args.attn, args.rounds, lambda attn: run_side(args, attn))
     seconds = time.perf_counter() - start
     print(f"\nmedians over {args.rounds * (args.steps - 1)} steps a side ({seconds:.0f} s in all)")
-    print_median_table("attention", timings, {})
+    timings = {attn: [step for run in runs for step in run["steps"]] for attn, runs in results.items()}
+    print_median_table("attention", timings)
     return 0
 
 

@@ -30,11 +30,17 @@ import sys
 import time
 
 # benchmarks/_common.py: the script's own folder
-from _common import print_median_table, run_fresh_side, train_and_print_timings, training_only
+from _common import (
+    alternating_rounds,
+    print_median_table,
+    run_fresh_side,
+    train_and_print_timings,
+    training_only,
+)
 
 
-def run_side(args: argparse.Namespace, size: int) -> dict:
-    command = [sys.executable, __file__, "--side", str(size), "--steps", str(args.steps)]
+def run_side(args: argparse.Namespace, size: str) -> dict:
+    command = [sys.executable, __file__, "--side", size, "--steps", str(args.steps)]
     command += ["--threads", str(args.threads), "--preset", args.preset, *args.overrides]
     return run_fresh_side(command, args.threads, f"micro-batch {size}")
 
@@ -60,20 +66,14 @@ def main() -> int:
         return 0
 
     print(f"preset {args.preset}: {args.steps} steps a side, {args.rounds} rounds, {args.threads} threads")
-    timings: dict[str, list[dict[str, float]]] = {str(size): [] for size in args.sizes}
-    peaks: dict[str, float] = {str(size): 0.0 for size in args.sizes}
     start = time.perf_counter()
-    for round_ in range(args.rounds):
-        order = args.sizes if round_ % 2 == 0 else args.sizes[::-1]
-        for size in order:
-            result = run_side(args, size)
-            timings[str(size)] += result["steps"]
-            peaks[str(size)] = max(peaks[str(size)], result["peak_rss_gib"])
-            update = [round(s["timing/update_actor"], 2) for s in result["steps"]]
-            print(f"  round {round_ + 1} micro-batch {size}: update_actor {update} s", flush=True)
+    sizes = [str(size) for size in args.sizes]
+    results = alternating_rounds(sizes, args.rounds, lambda size: run_side(args, size))
     seconds = time.perf_counter() - start
     print(f"\nmedians over {args.rounds * (args.steps - 1)} steps a side ({seconds:.0f} s in all)")
-    print_median_table("micro-batch rows", timings, {size: f"{peak:.2f}" for size, peak in peaks.items()})
+    timings = {size: [step for run in runs for step in run["steps"]] for size, runs in results.items()}
+    peaks = {size: max(run["peak_rss_gib"] for run in runs) for size, runs in results.items()}
+    print_median_table("micro-batch rows", timings, peaks)
     return 0
 
 
