@@ -250,6 +250,47 @@ def test_sleep_blocks_generate_until_wake_up(tiny_model_path, hf):
     assert len(run(tiny_model_path, body).token_ids) == 2
 
 
+def test_sleep_level_2_frees_the_weights_and_a_full_update_brings_them_back(tiny_model_path, hf):
+    """engine_kwargs.sleep_level=2: sleep frees every parameter of the private copy; generating before a
+    weight update loaded them all again fails, naming what is missing; after the update the replica
+    generates exactly as before it slept."""
+    _, tok = hf
+    p = prompts(tok, 1)[0]
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=True)
+
+    async def body(replica):
+        before = await replica.generate(p, sp, "a")
+        weights = [(n, t.detach().clone()) for n, t in replica.model.state_dict().items()]
+        held = sum(t.numel() for t in replica.model.parameters())
+        await replica.sleep()
+        freed = sum(t.numel() for t in replica.model.parameters())
+        buffers = sum(b.numel() for b in replica.model.buffers())
+        await replica.wake_up()
+        with pytest.raises(RuntimeError, match=r"sleep_level=2 discarded the weights .* not loaded again"):
+            await replica.generate(p, sp, "b")
+        await replica.update_weights(weights[:2])  # a part only: still refused
+        with pytest.raises(RuntimeError, match=rf"and {len(list(replica.model.parameters())) - 2} of them"):
+            await replica.generate(p, sp, "c")
+        with pytest.raises(ValueError, match=r"has shape \(\d+, \d+\), got \(3,\)"):
+            await replica.update_weights([(weights[2][0], torch.zeros(3))])  # the shape it had is kept
+        await replica.update_weights(weights)
+        after = await replica.generate(p, sp, "d")
+        return before, after, held, freed, buffers
+
+    before, after, held, freed, buffers = run(tiny_model_path, body, sleep_level=2)
+    assert held > 0 and freed == 0 and buffers > 0  # the rotary tables stay
+    assert after.token_ids == before.token_ids and after.log_probs == before.log_probs
+
+
+def test_sleep_level_is_checked(tiny_model_path, hf):
+    model, tok = hf
+    with pytest.raises(ValueError, match=r"engine_kwargs\.sleep_level must be 1 or 2, got 3"):
+        HFRolloutReplica(0, RolloutConfig(engine_kwargs={"sleep_level": 3}), ModelConfig())
+    replica = HFRolloutReplica(0, RolloutConfig(engine_kwargs={"sleep_level": 2}), ModelConfig())
+    with pytest.raises(ValueError, match="in hybrid mode the replica serves the training model's weights"):
+        asyncio.run(replica.init("hybrid", model=model, tokenizer=tok))
+
+
 def test_modes_and_errors(tiny_model_path):
     replica = HFRolloutReplica(0, RolloutConfig(), ModelConfig(path=tiny_model_path, dtype="float32"))
     with pytest.raises(ValueError, match="Unknown rollout mode 'remote'; expected one of: hybrid, colocated"):

@@ -125,6 +125,53 @@ def test_the_samples_of_one_prompt_share_its_prefill_and_still_match_the_generat
         torch.testing.assert_close(torch.tensor(a.log_probs), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("decode_step", ["auto", "hf"])
+def test_distinct_prompts_with_a_common_start_prefill_it_once_and_still_match(base, decode_step):
+    """Prompts that begin with the same system prompt: its tokens are prefilled once, the rows' own
+    tokens after a padding hole; tokens equal the generate path's, log-probs a teacher-forced pass
+    (fp32, 1e-4), for the samples of each prompt and for a request that joins the running rows."""
+    from trellis.rollout.hf_continuous import MIN_COMMON_PREFIX
+
+    model, tok = base
+    system = tok("system: " + "be brief and answer with digits only. " * 3)["input_ids"]
+    assert len(system) >= MIN_COMMON_PREFIX
+    ps = [system + tok(TEXTS[i] + " 1" * i)["input_ids"] for i in range(4)]  # own parts of 4 lengths
+    rows = [(p, 2 * k + j) for k, p in enumerate(ps) for j in range(2)]  # 4 prompts x 2 samples
+    late = system + tok("late 9 9")["input_ids"]
+
+    async def body(replica):
+        calls = [
+            replica.generate(p, SamplingParams(max_tokens=5 + i % 3, seed=i, logprobs=True), f"r{i}")
+            for p, i in rows
+        ]
+        first = asyncio.gather(*calls)
+        if replica.batching == "continuous":  # join the running rows (static batching never steps)
+            await wait_for_steps(replica, 2)
+        joined = await replica.generate(late, SamplingParams(max_tokens=4, seed=99, logprobs=True), "late")
+        return [*(await first), joined], copy.copy(replica.decode_stats)
+
+    continuous, stats = run(model, tok, body, batching="continuous", decode_step=decode_step)
+    static, _ = run(model, tok, body, batching="static")
+    distinct = len({tuple(p) for p, _ in rows})
+    assert stats.shared_prefill_rows == len(rows) - distinct
+    # the first prefill shares the system prompt (and the template after it) among its 4 prompts
+    common = len(system)
+    assert stats.shared_prefix_tokens >= common * (distinct - 1)
+    for p, a, b in zip([p for p, _ in rows] + [late], continuous, static, strict=True):
+        assert a.token_ids == b.token_ids
+        expected = teacher_forced_log_probs(model, p, a.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(a.log_probs), expected, atol=1e-4, rtol=0)
+
+
+def test_the_common_prefix_leaves_each_context_its_last_token():
+    from trellis.rollout.hf_continuous import _common_prefix
+
+    assert _common_prefix([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]]) == 2
+    assert _common_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shorter keeps its last token
+    assert _common_prefix([[7, 8], [6, 8]]) == 0
+    assert _common_prefix([[1, 2, 3]]) == 0  # one context: nothing to share
+
+
 def test_a_request_joins_the_running_batch_and_leaves_before_the_long_one(base):
     model, tok = base
     long_prompt, short_prompt = prompts(tok, 2)

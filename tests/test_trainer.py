@@ -502,6 +502,54 @@ def test_the_step_is_its_stages_in_order_each_one_visible(tmp_path):
         assert metrics[f"timing/{stage}"] > 0, stage
 
 
+def test_a_replica_at_sleep_level_2_holds_no_weights_while_training_and_trains_the_same(tmp_path):
+    """rollout.engine_kwargs.sleep_level=2 on the colocated hf replica: its weights are freed from the
+    rollout_sleep stage to the weight sync (the update runs without them), and the run's rewards and
+    validations equal sleep_level 1's exactly."""
+    from trellis.config import load_config
+
+    def fit(level):
+        held = []
+
+        class Probe:
+            def __init__(self, group):
+                self._group = group
+
+            def __getattr__(self, name):
+                attr = getattr(self._group, name)
+                if name != "update_actor":
+                    return attr
+
+                def update(*args, **kwargs):
+                    replica = self._group.workers[0].replicas.replicas[0]
+                    held.append(sum(p.numel() for p in replica.model.parameters()))
+                    return attr(*args, **kwargs)
+
+                return update
+
+        from trellis.trainer import Trainer
+
+        class Probed(Trainer):
+            def _build_workers(self):
+                super()._build_workers()
+                self.actor_wg = Probe(self.actor_wg)
+
+        overrides = [*preset_overrides("tiny"), *QUICK, f"trainer.run_dir={tmp_path / str(level)}"]
+        overrides += ["trainer.total_training_steps=3", "trainer.test_freq=2", "rollout.mode=colocated"]
+        overrides += [f"rollout.engine_kwargs.sleep_level={level}"]
+        history = Probed(load_config(None, overrides)).fit().history
+        return held, [
+            {k: v for k, v in m.items() if k.startswith(("val/", "reward/", "score/"))} for m in history
+        ]
+
+    held_1, history_1 = fit(1)
+    held_2, history_2 = fit(2)
+    assert len(held_1) == len(held_2) == 3
+    assert min(held_1) > 0 and held_2 == [0, 0, 0]
+    assert any("val/reward/mean" in m for m in history_2)
+    assert history_2 == history_1
+
+
 @pytest.mark.parametrize("placement", ["workers", "driver"])
 def test_tool_rewards_enter_the_score_where_the_placement_says(tmp_path, placement):
     from trellis.registries import agent_loops

@@ -95,7 +95,11 @@ worker's own weights); ``colocated`` and ``standalone`` both load a private copy
 models, see :mod:`trellis.rollout.hf_lean`; ``"lean"``: that, or an error naming why the model does
 not qualify; ``"hf"``: always the model's own forward), ``transpose_weights`` (false; true: lean
 steps on the CPU multiply by transposed copies of the large weights, taken per session: faster
-decoding for one more copy of the weights in memory).
+decoding for one more copy of the weights in memory), ``sleep_level`` (1: ``sleep`` keeps the
+weights, moving a private copy on an accelerator to host memory; 2: ``sleep`` frees a private copy's
+weights, as vLLM's level 2 does, and the next weight update allocates and loads them again; a batch
+that starts before every weight was loaded fails with a RuntimeError saying so; hybrid mode refuses
+it, the weights being training's).
 """
 
 from __future__ import annotations
@@ -190,7 +194,9 @@ class HFRolloutReplica(RolloutReplica):
     partial rollout) and modes.
     ``sleep`` on an accelerator moves a private copy's weights to the CPU (hybrid: only frees
     the allocator cache, since the weights belong to training); on the CPU there is no cache to
-    free, so it only marks the replica asleep. ``generate`` while asleep raises RuntimeError.
+    free, so it only marks the replica asleep. With ``engine_kwargs.sleep_level`` 2 it frees a
+    private copy's weights instead (on any device), for the next weight update to load.
+    ``generate`` while asleep raises RuntimeError.
     """
 
     def __init__(self, replica_rank: int, rollout_config: Any, model_config: Any) -> None:
@@ -220,6 +226,13 @@ class HFRolloutReplica(RolloutReplica):
         if not isinstance(transpose, bool):
             raise ValueError(f"engine_kwargs.transpose_weights must be true or false, got {transpose!r}.")
         self.transpose_weights: bool = transpose
+        sleep_level = kwargs.get("sleep_level", 1)
+        if sleep_level not in (1, 2) or isinstance(sleep_level, bool):
+            raise ValueError(f"engine_kwargs.sleep_level must be 1 or 2, got {sleep_level!r}.")
+        self.sleep_level: int = sleep_level
+        # sleep_level 2: the parameters sleep discarded, by id, with their shape, until a weight update
+        # loads each again
+        self._discarded: dict[int, tuple[str, tuple[int, ...]]] = {}
         partial = _setting(rollout_config, RolloutConfig, "partial_rollout")
         if not isinstance(partial, bool):
             raise ValueError(f"rollout.partial_rollout must be true or false, got {partial!r}.")
@@ -253,6 +266,11 @@ class HFRolloutReplica(RolloutReplica):
         import torch
 
         self.mode = self.check_mode(mode)
+        if mode == "hybrid" and self.sleep_level == 2:
+            raise ValueError(
+                "engine_kwargs.sleep_level=2 discards the replica's own weights while it sleeps; in hybrid "
+                "mode the replica serves the training model's weights. Use sleep_level 1 (the default)."
+            )
         if mode == "hybrid":
             if model is None:
                 raise ValueError(
@@ -328,7 +346,9 @@ class HFRolloutReplica(RolloutReplica):
         async with self._exclusive():
             import torch
 
-            if self._offloads:
+            if self.sleep_level == 2 and self.model is not None:
+                self._discard_weights()
+            elif self._offloads:
                 self.model.to("cpu")
             gc.collect()
             if self.device is not None and self.device.type == "cuda":
@@ -337,9 +357,28 @@ class HFRolloutReplica(RolloutReplica):
 
     async def wake_up(self) -> None:
         async with self._exclusive():
-            if self._offloads:
+            if self._offloads and self.sleep_level == 1:
                 self.model.to(self.device)
             self.asleep = False
+
+    def _discard_weights(self) -> None:
+        """``sleep_level`` 2: free every parameter's storage (the next weight update loads it again);
+        buffers (rotary tables) stay."""
+        for name, param in self.model.named_parameters():
+            if param.numel() and id(param) not in self._discarded:
+                self._discarded[id(param)] = (name, tuple(param.shape))
+                param.data = param.data.new_empty(0)
+
+    def _require_weights(self) -> None:
+        """Raise when ``sleep_level`` 2 discarded weights that no update has loaded since."""
+        if self._discarded:
+            names = sorted(name for name, _ in self._discarded.values())
+            raise RuntimeError(
+                f"HFRolloutReplica: engine_kwargs.sleep_level=2 discarded the weights when the replica "
+                f"slept, and {len(names)} of them (e.g. {names[:3]}) were not loaded again before "
+                "generating. Sync the full weights after wake_up (the trainer does at each weight_sync), "
+                "or use sleep_level 1."
+            )
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Copy each ``(name, tensor)`` into the parameter or buffer of that HF name, in place.
@@ -364,11 +403,15 @@ class HFRolloutReplica(RolloutReplica):
                             f"update_weights: the model has no parameter {name!r}; it has e.g. "
                             f"{sorted(targets)[:5]}."
                         )
-                    if tuple(target.shape) != tuple(tensor.shape):
+                    discarded = self._discarded.get(id(target))
+                    shape = discarded[1] if discarded is not None else tuple(target.shape)
+                    if shape != tuple(tensor.shape):
                         raise ValueError(
-                            f"update_weights: {name!r} has shape {tuple(target.shape)}, "
-                            f"got {tuple(tensor.shape)}."
+                            f"update_weights: {name!r} has shape {shape}, got {tuple(tensor.shape)}."
                         )
+                    if discarded is not None:  # sleep_level 2 freed it: storage of its own again
+                        target.data = torch.empty(shape, dtype=target.dtype, device=target.device)
+                        del self._discarded[id(target)]
                     target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
     async def begin_weight_update(self) -> None:
@@ -497,6 +540,7 @@ class HFRolloutReplica(RolloutReplica):
                         while len(batch) < self.max_batch_size and not queue.empty():
                             batch.append(queue.get_nowait())
                         version = self.weight_version  # read under the lock: the version of these weights
+                        self._require_weights()
                         batch = await self._with_vision(batch)
                         if batch and self._batches_continuously(batch):
                             # results reach the callers as rows end; batch grows with every admitted request

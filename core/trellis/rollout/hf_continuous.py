@@ -15,9 +15,12 @@ decode. Its loop, once per decoding step:
 KV layout. The running batch holds one ``transformers.DynamicCache`` whose rows are left-padded
 to a shared width (every row's last token sits in the last column), with a ``(rows, width)``
 attention mask marking each row's real tokens and explicit position ids per row, so padding
-never shifts a row's positions. A newcomer's cache is padded on the left to the wider of the two
-widths (or the running rows are) and concatenated along the batch; when rows leave, columns
-that are padding in every remaining row are cut from the left. A row's log-probs are those of a
+never shifts a row's positions. A prefill runs the tokens its distinct contexts all begin with (a
+system prompt, at least :data:`MIN_COMMON_PREFIX`) once, in front of the rows' own left-padded
+tokens: those rows read ``[shared start | padding | own tokens]``, the padding a hole the mask skips.
+A newcomer's cache is padded on the left to the wider of the two widths (or the running rows are)
+and concatenated along the batch; when rows leave, columns that are padding in every remaining row
+are cut from the left. A row's log-probs are those of a
 teacher-forced forward pass of its own tokens (padding is masked out), to float rounding. For
 Llama-family models the decoding steps skip the ``transformers`` forward
 (:class:`~trellis.rollout.hf_lean.LeanDecoder`): the cache is then per-layer buffers with room for
@@ -51,6 +54,11 @@ from trellis.rollout.hf_lean import KVBuffers, LeanDecoder
 from trellis.rollout.hf_sampling import RowRule, uniform_streams
 from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
 
+MIN_COMMON_PREFIX = 16
+"""Leading tokens the distinct contexts of one prefill must share before they are run once (one more,
+small forward pass). A chat template's system prompt is longer: SmolLM2's is 24 tokens, repeated in
+every prompt of the demo."""
+
 
 def supports_continuous(model: Any) -> bool:
     """Whether ``model`` can decode with :class:`ContinuousDecoder`: a decoder-only text model whose
@@ -66,6 +74,7 @@ class DecodeStats:
     prefills: int = 0  # admissions: prefill passes of newcomers
     peak_rows: int = 0  # most rows decoded at once
     shared_prefill_rows: int = 0  # admitted rows whose context another row of their prefill computed
+    shared_prefix_tokens: int = 0  # context tokens not prefilled: a common start computed once per prefill
     lean_steps: int = 0  # decoding steps run by the LeanDecoder (the rest by the transformers forward)
     transposed_weights: int = 0  # weights the last session's LeanDecoder multiplies through a copy
 
@@ -230,8 +239,8 @@ class ContinuousDecoder:
             self._step()
 
     def _admit(self, requests: list[Any]) -> None:
-        """Prefill ``requests`` (left-padded together), join their cache to the running one, and sample
-        each one's first token."""
+        """Prefill ``requests`` (left-padded together; equal contexts once; the start all share once), join
+        their cache to the running one, and sample each one's first token."""
         import torch
 
         contexts = [r.prompt_ids + r.prefix_ids for r in requests]
@@ -241,16 +250,21 @@ class ContinuousDecoder:
         for i, c in enumerate(contexts):
             ids[i, width - len(c) :] = torch.tensor(c)
             mask[i, width - len(c) :] = 1
-        positions = (mask.cumsum(1) - 1).clamp_(min=0)
         kwargs = {"logits_to_keep": 1} if self._keeps_logits else {}
         # requests with the same context (the rollout.n samples of a prompt) are prefilled once
         shared = shared_prompt.prompt_groups(ids, mask)
-        pick = shared[0] if shared is not None else slice(None)
+        pick = shared[0] if shared is not None else torch.arange(len(requests))
+        common = _common_prefix([contexts[i] for i in pick.tolist()])
+        past: dict[str, Any] = {}
+        if common >= MIN_COMMON_PREFIX:  # and the distinct contexts their common start (a system prompt)
+            ids, mask, past = self._prefill_prefix(contexts, common, len(pick))
+        positions = (mask.cumsum(1) - 1).clamp_(min=0)[:, mask.shape[1] - ids.shape[1] :]
         out = self.model(
             input_ids=ids[pick].to(self.device),
             attention_mask=mask[pick].to(self.device),
             position_ids=positions[pick].to(self.device),
             use_cache=True,
+            **past,
             **kwargs,
         )
         cache, logits = shared_prompt.cache_of(out), out.logits[:, -1, :]
@@ -274,6 +288,40 @@ class ContinuousDecoder:
         self.stats.prefills += 1
         self.stats.peak_rows = max(self.stats.peak_rows, len(self.rows))
         self._sample(logits, first)
+
+    def _prefill_prefix(
+        self, contexts: list[list[int]], common: int, rows: int
+    ) -> tuple[Any, Any, dict[str, Any]]:
+        """Prefill the first ``common`` tokens every context shares, once, for ``rows`` prefill rows.
+
+        Returns the contexts' remaining tokens left-padded ``(len(contexts), width)`` and their mask
+        with the shared columns in front, ``(len(contexts), common + width)``: each row reads
+        ``[shared tokens | its padding | its own tokens]``, the padding a hole the mask skips. The
+        third item is the keyword that hands the shared tokens' KV cache, copied to ``rows`` rows, to
+        the prefill of the rest.
+        """
+        import torch
+
+        self.stats.shared_prefix_tokens += common * (rows - 1)
+        head = torch.tensor([contexts[0][:common]], dtype=torch.long)
+        out = self.model(
+            input_ids=head.to(self.device),
+            attention_mask=torch.ones_like(head).to(self.device),
+            position_ids=torch.arange(common)[None].to(self.device),
+            use_cache=True,
+            **({"logits_to_keep": 1} if self._keeps_logits else {}),
+        )
+        index = torch.zeros(rows, dtype=torch.long, device=self.device)
+        cache = shared_prompt.expand_cache(shared_prompt.cache_of(out), index)
+        tails = [c[common:] for c in contexts]
+        width = max(len(t) for t in tails)
+        ids = torch.full((len(contexts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(contexts), common + width), dtype=torch.long)
+        mask[:, :common] = 1
+        for i, t in enumerate(tails):
+            ids[i, width - len(t) :] = torch.tensor(t)
+            mask[i, common + width - len(t) :] = 1
+        return ids, mask, {self._cache_arg: cache}
 
     def _step(self) -> None:
         """One decoding step of every running row."""
@@ -412,6 +460,19 @@ def _pairs(cache: Any) -> list[tuple[Any, Any]]:
     if isinstance(cache, KVBuffers):
         return cache.pairs()
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _common_prefix(contexts: list[list[int]]) -> int:
+    """How many leading tokens all of ``contexts`` (two or more) share, leaving each at least its last
+    token (whose logits pick its first new token); 0 for fewer than two contexts."""
+    if len(contexts) < 2:
+        return 0
+    shortest = min(len(c) for c in contexts) - 1
+    first = contexts[0]
+    n = 0
+    while n < shortest and all(c[n] == first[n] for c in contexts):
+        n += 1
+    return n
 
 
 def _room(rows: list[_Row]) -> int:
