@@ -85,8 +85,8 @@ def _demo(root: str) -> list[str]:
     _write_jsonl(train, [p.row() for p in train_problems])
     _write_jsonl(val, [p.row() for p in heldout])
     bf16 = native_bf16()  # reads /proc/cpuinfo: once for the dtype and the attention below
-    # Tuned for 2 CPU cores (about 10 minutes, 13 s a step in fp32; 6.5 minutes, 8.9 s a step in bf16 on
-    # AVX512-BF16; trellis.recipes.demo has measurements).
+    # Tuned for 2 CPU cores (about 10 minutes, 13 s a step in fp32; under 6 minutes, 8 s a step in bf16
+    # on AVX512-BF16; trellis.recipes.demo has measurements).
     return [
         f"model.path={model}",
         # bf16 autocast where the CPU computes bf16 natively: AMX matmuls made a training step ~1.7x
@@ -111,13 +111,19 @@ def _demo(root: str) -> list[str]:
         "actor.ppo_mini_batch_size=8",
         # Whole groups per micro-batch: model.share_prompt runs each prompt once (about 60 tokens and
         # 8 x 16 response tokens instead of 8 x 76), which also bounds the activations kept for backward
-        # (about 75 KB per token and layer in float32; 32 unshared rows held ~5 GiB and peaked at 7-10 GiB).
-        # In bf16 two groups: the update took 0.75x one group's time and the step 0.80x (a micro-batch has
-        # a cost of its own: weight-gradient matmuls whose inner dimension is its tokens, casts, gradient
-        # accumulation) at a 4.21 GiB peak (3.88 with one group; four groups: update 0.61x, but 4.85 GiB,
-        # over the 5 GB target; benchmarks/micro_batch.py). In float32 two groups peaked at 4.59 GiB, too
-        # close to it (benchmarks/memory.py).
-        f"actor.ppo_micro_batch_size_per_device={16 if bf16 else 8}",
+        # (about 57 KB per token and layer in bf16 autocast; 32 unshared rows held ~5 GiB in float32 and
+        # peaked at 7-10 GiB). A micro-batch has a cost of its own (weight-gradient matmuls whose inner
+        # dimension is its tokens, autocast's weight casts, gradient accumulation): in bf16 four groups
+        # made the update 0.81x and the step 0.85x two groups' (benchmarks/micro_batch.py). They fit in
+        # 5 GB with the two settings below: 4.39 GiB at the peak, against 4.85 GiB with neither. In float32
+        # two groups (0.89x one group's step): 4.22 GiB, against 4.59 GiB with neither setting.
+        f"actor.ppo_micro_batch_size_per_device={32 if bf16 else 16}",
+        # the fused RMSNorm keeps one tensor of each norm's input for backward instead of three (-0.2 GiB
+        # at four groups; the update no slower)
+        "model.fused_kernels=[rms_norm]",
+        # the replica frees its own weights (0.25 GiB in bf16, 0.5 in float32) from the rollout to the
+        # weight sync, which loads them again: the update has that memory
+        "rollout.engine_kwargs.sleep_level=2",
         "actor.optim.lr=2e-5",
         # the replica decodes at most 128 rows at once: the final validation's 200 prompts at once held
         # 1.3 GiB of KV cache and set the run's peak (4.83 GiB resident; a whole run at 128 rows: 4.22 GiB;
