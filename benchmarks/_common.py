@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 
 def smollm2_or_note(skip: bool) -> tuple[str | None, str]:
@@ -116,3 +117,30 @@ def print_median_table(
         cells = " | ".join(f"{row[key]:.2f} | {row[key] / base[key]:.2f}" for key in TIMING_KEYS)
         tail = f" | {peaks[side]:.2f}" if peaks else ""
         print(f"| {side} | {cells}{tail} |")
+
+
+def compare_sides(
+    label: str,
+    sides: list[str],
+    args: Any,
+    run: Callable[[str], dict],
+    peaks: bool = True,
+    names: dict[str, str] | None = None,
+) -> None:
+    """Run every side ``args.rounds`` times, alternating (:func:`alternating_rounds`), then print the
+    median table (:func:`print_median_table`), with each side's largest peak resident set when
+    ``peaks``; ``names`` relabels sides in the table. ``args`` has ``preset``, ``steps``, ``rounds``
+    and ``threads``."""
+    import time
+
+    print(f"preset {args.preset}: {args.steps} steps a side, {args.rounds} rounds, {args.threads} threads")
+    start = time.perf_counter()
+    results = alternating_rounds(sides, args.rounds, run)
+    seconds = time.perf_counter() - start
+    print(f"\nmedians over {args.rounds * (args.steps - 1)} steps a side ({seconds:.0f} s in all)")
+    names = names or {}
+    timings = {
+        names.get(side, side): [step for r in runs for step in r["steps"]] for side, runs in results.items()
+    }
+    most = {names.get(side, side): max(r["peak_rss_gib"] for r in runs) for side, runs in results.items()}
+    print_median_table(label, timings, most if peaks else None)

@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 # benchmarks/_common.py: the script's own folder
 from _common import (
-    alternating_rounds,
-    print_median_table,
+    compare_sides,
     run_fresh_side,
     train_and_print_timings,
     training_only,
@@ -85,13 +83,7 @@ def main() -> int:
         side(args)
         return 0
 
-    print(f"preset {args.preset}: {args.steps} steps a side, {args.rounds} rounds, {args.threads} threads")
-    start = time.perf_counter()
-    results = alternating_rounds(args.attn, args.rounds, lambda attn: run_side(args, attn))
-    seconds = time.perf_counter() - start
-    print(f"\nmedians over {args.rounds * (args.steps - 1)} steps a side ({seconds:.0f} s in all)")
-    timings = {attn: [step for run in runs for step in run["steps"]] for attn, runs in results.items()}
-    print_median_table("attention", timings)
+    compare_sides("attention", args.attn, args, lambda attn: run_side(args, attn), peaks=False)
     return 0
 
 

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 # benchmarks/_common.py: the script's own folder
 from _common import (
-    alternating_rounds,
-    print_median_table,
+    compare_sides,
     run_fresh_side,
     train_and_print_timings,
     training_only,
@@ -65,15 +63,8 @@ def main() -> int:
         train_and_print_timings(overrides, args.threads, str(args.side))
         return 0
 
-    print(f"preset {args.preset}: {args.steps} steps a side, {args.rounds} rounds, {args.threads} threads")
-    start = time.perf_counter()
     sizes = [str(size) for size in args.sizes]
-    results = alternating_rounds(sizes, args.rounds, lambda size: run_side(args, size))
-    seconds = time.perf_counter() - start
-    print(f"\nmedians over {args.rounds * (args.steps - 1)} steps a side ({seconds:.0f} s in all)")
-    timings = {size: [step for run in runs for step in run["steps"]] for size, runs in results.items()}
-    peaks = {size: max(run["peak_rss_gib"] for run in runs) for size, runs in results.items()}
-    print_median_table("micro-batch rows", timings, peaks)
+    compare_sides("micro-batch rows", sizes, args, lambda size: run_side(args, size))
     return 0
 
 

@@ -359,3 +359,49 @@ def test_many_staggered_requests_all_resolve_with_their_own_lengths(base):
     outs, stats = run(model, tok, body, max_batch_size=16)
     assert [len(o.token_ids) for o in outs] == lengths
     assert stats.peak_rows <= 16 and stats.prefills >= 4
+
+
+def test_decode_thread_loop_decodes_on_the_loops_thread_with_the_same_results(base):
+    """decode_thread: "auto" decodes on the CPU on the event loop's thread, between its other tasks (a
+    request that arrives mid-batch still joins); "worker" in another thread; the tokens and log-probs of
+    both are the same."""
+    import threading
+
+    model, tok = base
+    ps = prompts(tok, 6)
+
+    def go(decode_thread):
+        threads = set()
+        hook = model.get_input_embeddings().register_forward_hook(
+            lambda *_: threads.add(threading.get_ident())
+        )
+
+        async def body(replica):
+            loop_thread = threading.get_ident()
+            first = [
+                asyncio.ensure_future(
+                    replica.generate(p, SamplingParams(max_tokens=12, seed=i, logprobs=True), f"r{i}")
+                )
+                for i, p in enumerate(ps[:5])
+            ]
+            await wait_for_steps(replica, 3)
+            late = await replica.generate(ps[5], SamplingParams(max_tokens=4, seed=5, logprobs=True), "late")
+            outs = [*(await asyncio.gather(*first)), late]
+            return outs, loop_thread, replica.generate_calls, replica._decodes_on_loop()
+
+        try:
+            outs, loop_thread, calls, on_loop = run(model, tok, body, decode_thread=decode_thread)
+        finally:
+            hook.remove()
+        return outs, threads, loop_thread, calls, on_loop
+
+    loop_outs, loop_threads, loop_thread, loop_calls, on_loop = go("auto")
+    worker_outs, worker_threads, worker_loop, worker_calls, worker_on_loop = go("worker")
+    assert on_loop is True and worker_on_loop is False
+    assert loop_threads == {loop_thread}
+    assert worker_loop not in worker_threads and len(worker_threads) == 1
+    assert loop_calls == worker_calls == 1  # the late request joined the running session in both
+    for a, b in zip(loop_outs, worker_outs, strict=True):
+        assert a.token_ids == b.token_ids and a.log_probs == b.log_probs
+    with pytest.raises(ValueError, match=r'decode_thread must be "auto", "loop" or "worker", got \'main\''):
+        HFRolloutReplica(0, RolloutConfig(engine_kwargs={"decode_thread": "main"}), ModelConfig())

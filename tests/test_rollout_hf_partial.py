@@ -43,10 +43,15 @@ def with_weights(model, state):
     return other
 
 
-def run(model, tok, body, partial=False, seed=0):
+def run(model, tok, body, partial=False, seed=0, decode_thread="worker"):
+    """``body(replica)`` on a hybrid replica; it decodes in a worker thread, which :class:`Pause` can hold
+    mid-step (``decode_thread="loop"``: on the loop's thread, between whose steps the test moves)."""
+
     async def main():
         replica = HFRolloutReplica(
-            0, RolloutConfig(seed=seed, partial_rollout=partial), ModelConfig(dtype="float32")
+            0,
+            RolloutConfig(seed=seed, partial_rollout=partial, engine_kwargs={"decode_thread": decode_thread}),
+            ModelConfig(dtype="float32"),
         )
         await replica.init("hybrid", model=model, tokenizer=tok)
         try:
@@ -66,10 +71,12 @@ def generate(model, tok, prompt, sp):
 
 class Pause:
     """Holds the generation thread in the ``at``-th call of ``model``'s input embedding (one per forward
-    pass or lean decoding step) until released."""
+    pass or lean decoding step) until released; on the loop's thread, lets the loop run the test's next
+    move once that step ends."""
 
     def __init__(self, model, at=PAUSE_AT):
         self.loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
         self.reached = asyncio.Event()
         self.release = threading.Event()
         self.at, self.calls = at, 0
@@ -77,7 +84,10 @@ class Pause:
 
     def _hook(self, module, args):
         self.calls += 1
-        if self.calls == self.at:
+        if self.calls == self.at and threading.get_ident() == self.loop_thread:
+            # decoding on the loop's thread (decode_thread "loop"): the test's next move comes after this step
+            self.reached.set()
+        elif self.calls == self.at:
             self.loop.call_soon_threadsafe(self.reached.set)
             if not self.release.wait(timeout=30):
                 raise RuntimeError("Pause was never released")
@@ -116,7 +126,8 @@ def test_tokens_carry_the_version_of_the_weights_that_generated_them(base):
     assert version == 8
 
 
-def test_partial_rollout_resumes_the_response_with_the_new_weights(base):
+@pytest.mark.parametrize("decode_thread", ["worker", "loop"])
+def test_partial_rollout_resumes_the_response_with_the_new_weights(base, decode_thread):
     model, tok, prompt = base
     new = perturbed(model)
     sp = SamplingParams(temperature=0, max_tokens=64, logprobs=True)
@@ -131,8 +142,10 @@ def test_partial_rollout_resumes_the_response_with_the_new_weights(base):
         await replica.end_weight_update(1)
         return await long_task, await short_task, replica.generate_calls
 
-    out, short_out, calls = run(copy.deepcopy(model), tok, body, partial=True)
-    k = PAUSE_AT
+    out, short_out, calls = run(copy.deepcopy(model), tok, body, partial=True, decode_thread=decode_thread)
+    # in a worker thread the update begins during step PAUSE_AT; on the loop's thread the decoder's next
+    # step runs before the test's begin_weight_update task does, so one more token has the old weights
+    k = PAUSE_AT if decode_thread == "worker" else PAUSE_AT + 1
     assert calls == 2  # the interrupted batch, then the resumed row alone
     assert len(out.token_ids) == 64 and len(out.log_probs) == 64 and out.stop_reason == "length"
     assert out.weight_versions == [0] * k + [1] * (64 - k)

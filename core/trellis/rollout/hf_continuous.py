@@ -45,7 +45,7 @@ from __future__ import annotations
 import collections
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,8 +217,15 @@ class ContinuousDecoder:
 
     def run(self, first: list[Any]) -> None:
         """Decode ``first`` and whatever the session admits, until no row is left to decode."""
+        for _ in self.iterate(first):
+            pass
+
+    def iterate(self, first: list[Any]) -> Iterator[None]:
+        """:meth:`run` one admission and/or decoding step at a time: yields after each, so a caller on
+        the event loop's thread can let the loop run (offer requests, deliver results) in between."""
         pending = list(first)
         while not self.session.stop.is_set():
+            yield
             if self.interrupt is not None and self.interrupt.is_set() and self.rows:
                 for row in self.rows:  # partial rollout: resume later under the new weights
                     self.deliver(row.request, row.output("length", self.version), False)
