@@ -45,7 +45,7 @@ from __future__ import annotations
 import collections
 import inspect
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,7 +220,7 @@ class ContinuousDecoder:
         for _ in self.iterate(first):
             pass
 
-    def iterate(self, first: list[Any]) -> Iterator[None]:
+    def iterate(self, first: list[Any]) -> Generator[None, None, None]:
         """:meth:`run` one admission and/or decoding step at a time: yields after each, so a caller on
         the event loop's thread can let the loop run (offer requests, deliver results) in between."""
         pending = list(first)
