@@ -65,8 +65,9 @@ On the CPU the continuous decoder runs on the event loop's own thread by default
 (``decode_thread="auto"``): one admission or decoding step at a time, yielding to the loop in
 between (so requests still join, and results still reach their callers, between steps). Where that
 thread is the one training ran on (a colocated replica under ``trellis train`` or the demo), the
-process has one OpenMP master and its threads spin-wait as they should: SmolLM2-135M's generate
-stage took 0.70x the time it took in a worker thread (2 cores, bf16). The loop does nothing else
+process has one OpenMP master and its threads spin-wait as they should: the demo's generate stage
+(SmolLM2-135M, 2 cores, bf16) took 0.84x the time it took in a worker thread in
+``benchmarks/settings.py``, 0.76x over a whole demo run. The loop does nothing else
 while a step runs (a step of 64 rows is tens of milliseconds there). ``decode_thread="worker"``
 decodes in a worker thread, as on accelerators, whose steps wait on the device.
 
