@@ -128,7 +128,13 @@ from typing import Any
 from trellis.config.base import schema_default
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout.base import RolloutReplica, has_items
-from trellis.rollout.hf_continuous import ContinuousDecoder, DecodeStats, Session, supports_continuous
+from trellis.rollout.hf_continuous import (
+    ContinuousDecoder,
+    DecodeStats,
+    Session,
+    left_padded,
+    supports_continuous,
+)
 from trellis.rollout.hf_lean import LeanDecoder, lean_unsupported
 from trellis.rollout.hf_sampling import RowRule, stop_string_cut, uniform_streams
 from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
@@ -382,7 +388,7 @@ class HFRolloutReplica(RolloutReplica):
         """``sleep_level`` 2: free every parameter's storage (the next weight update loads it again);
         buffers (rotary tables) stay."""
         for name, param in self.model.named_parameters():
-            if param.numel() and id(param) not in self._discarded:
+            if param.numel():  # a discarded one has none
                 self._discarded[id(param)] = (name, tuple(param.shape))
                 param.data = param.data.new_empty(0)
 
@@ -841,12 +847,8 @@ class HFRolloutReplica(RolloutReplica):
         pad = self._pad_id()
         contexts = [r.prompt_ids + r.prefix_ids for r in batch]
         prefixes = [r.prefix_ids for r in batch]
-        width = max(len(c) for c in contexts)
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, c in enumerate(contexts):  # left padding: every prompt ends at column width - 1
-            input_ids[i, width - len(c) :] = torch.tensor(c)
-            attention[i, width - len(c) :] = 1
+        input_ids, attention = left_padded(contexts, pad)  # every prompt ends at column width - 1
+        width = input_ids.shape[1]
         params = [r.segment_params() for r in batch]
         stops = [eos | set(p.stop_token_ids) for p in params]
         steps = max(p.max_tokens for p in params)

@@ -251,12 +251,7 @@ class ContinuousDecoder:
         import torch
 
         contexts = [r.prompt_ids + r.prefix_ids for r in requests]
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(requests), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for i, c in enumerate(contexts):
-            ids[i, width - len(c) :] = torch.tensor(c)
-            mask[i, width - len(c) :] = 1
+        ids, mask = left_padded(contexts, self.pad)
         kwargs = {"logits_to_keep": 1} if self._keeps_logits else {}
         # requests with the same context (the rollout.n samples of a prompt) are prefilled once
         shared = shared_prompt.prompt_groups(ids, mask)
@@ -320,14 +315,8 @@ class ContinuousDecoder:
         )
         index = torch.zeros(rows, dtype=torch.long, device=self.device)
         cache = shared_prompt.expand_cache(shared_prompt.cache_of(out), index)
-        tails = [c[common:] for c in contexts]
-        width = max(len(t) for t in tails)
-        ids = torch.full((len(contexts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(contexts), common + width), dtype=torch.long)
-        mask[:, :common] = 1
-        for i, t in enumerate(tails):
-            ids[i, width - len(t) :] = torch.tensor(t)
-            mask[i, common + width - len(t) :] = 1
+        ids, own = left_padded([c[common:] for c in contexts], self.pad)
+        mask = torch.cat([torch.ones((len(contexts), common), dtype=torch.long), own], dim=1)
         return ids, mask, {self._cache_arg: cache}
 
     def _step(self) -> None:
@@ -467,6 +456,20 @@ def _pairs(cache: Any) -> list[tuple[Any, Any]]:
     if isinstance(cache, KVBuffers):
         return cache.pairs()
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def left_padded(seqs: list[list[int]], pad: int) -> tuple[Any, Any]:
+    """``seqs`` left-padded with ``pad`` to the longest one's length (each ends in the last column):
+    ``(ids, mask)``, both ``(len(seqs), width)`` long, the mask 1 on each sequence's own tokens."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s)
+        mask[i, width - len(s) :] = 1
+    return ids, mask
 
 
 def _common_prefix(contexts: list[list[int]]) -> int:
