@@ -16,8 +16,11 @@ Three sides generate the same requests:
   per batch, per-row stopping, log-probs on);
 - replica, continuous, hf step: ``batching="continuous"`` with ``decode_step="hf"``: rows leave the
   batch as they finish (log-probs on), each decoding step one ``transformers`` forward;
-- replica, continuous: the defaults (``decode_step="auto"``): the same, with the lean decoding step
-  of :mod:`trellis.rollout.hf_lean` for Llama-family models (both models here).
+- lean, plain weights: ``weight_layout="plain"``: the same, with the lean decoding step of
+  :mod:`trellis.rollout.hf_lean` for Llama-family models (both models here), multiplying the
+  weights as they are;
+- replica, continuous: the defaults (``decode_step="auto"``, ``weight_layout="auto"``): the lean
+  step, multiplying copies of the large weights packed for oneDNN on the CPU.
 
 Every request is issued at once, so no side waits for arrivals: the gain of the continuous side
 is that the batch shrinks as short rows end (each step costs less) and that its decoding loop
@@ -143,6 +146,7 @@ def bench(label, path, args, repeats) -> list[tuple]:
     replica_sides = {
         "replica static": {"batching": "static"},
         "continuous hf step": {"batching": "continuous", "decode_step": "hf"},
+        "lean, plain weights": {"batching": "continuous", "weight_layout": "plain"},
         "replica continuous": {"batching": "continuous"},
     }
     for side, engine_kwargs in replica_sides.items():
@@ -202,7 +206,9 @@ def main() -> None:
     for label in dict.fromkeys(row[0] for row in rows):
         rate = {row[1]: row[4] for row in rows if row[0] == label}
         gain = rate["replica continuous"] / rate["continuous hf step"]
+        packed = rate["replica continuous"] / rate["lean, plain weights"]
         print(f"{label}: the lean decoding step makes {gain:.2f}x the tokens/s of the hf step")
+        print(f"{label}: the default weight layout makes {packed:.2f}x the tokens/s of plain weights")
     if bandwidth:
         print(
             f"bound: decode tokens/s if each step only read the weights once at {bandwidth / 1e9:.1f} GB/s, "

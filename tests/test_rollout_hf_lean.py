@@ -49,7 +49,7 @@ def _left_padded(rows: list[list[int]]):
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [18], [19, 20, 21, 22, 23]]
 
 
-def _compare(model, transpose, steps=6, prompts=PROMPTS):
+def _compare(model, layout, steps=6, prompts=PROMPTS):
     """Logits of ``steps`` decoding steps: the transformers forward vs the lean step, same tokens fed."""
     ids, mask = _left_padded(prompts)
     n = len(prompts)
@@ -58,7 +58,7 @@ def _compare(model, transpose, steps=6, prompts=PROMPTS):
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         cache = out.past_key_values
         kv = KVBuffers([(layer.keys, layer.values) for layer in cache.layers], ids.shape[1] + 2)
-        lean = LeanDecoder(model, transpose=transpose)
+        lean = LeanDecoder(model, layout=layout)
         nxt, pos = out.logits[:, -1].argmax(-1), mask.sum(1)
         diffs = []
         for _ in range(steps):  # capacity 2 past the prompt: the third step grows the buffers
@@ -81,8 +81,8 @@ def test_the_lean_step_gives_the_transformers_logits(build):
     model = build()
     if build is qwen2:
         assert model.model.layers[0].self_attn.q_proj.bias is not None  # the biases are used
-    diffs, lean = _compare(model, transpose=False)
-    assert max(diffs) < 1e-5 and lean.transposed_weights == 0
+    diffs, lean = _compare(model, "plain")
+    assert max(diffs) < 1e-5 and lean.weight_copies == 0
 
 
 def test_bf16_attention_runs_on_float32_copies_on_the_cpu(monkeypatch):
@@ -94,7 +94,7 @@ def test_bf16_attention_runs_on_float32_copies_on_the_cpu(monkeypatch):
         return real(q, k, v, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    diffs, _ = _compare(llama().to(torch.bfloat16), transpose=False, steps=3)
+    diffs, _ = _compare(llama().to(torch.bfloat16), "plain", steps=3)
     # 2 layers x 3 steps in float32 (the lean step's); the transformers reference's stay bf16
     assert seen.count((torch.float32,) * 3) == 6 and (torch.bfloat16,) * 3 in seen
     assert max(diffs) < 0.05  # the reference computes its attention in bf16
@@ -103,23 +103,67 @@ def test_bf16_attention_runs_on_float32_copies_on_the_cpu(monkeypatch):
 
 
 def test_transposed_weight_copies_give_the_same_logits(monkeypatch):
-    assert LeanDecoder(llama(), transpose=True).transposed_weights == 0  # all under TRANSPOSE_MIN_ELEMENTS
+    assert LeanDecoder(llama(), layout="transposed").weight_copies == 0  # all under TRANSPOSE_MIN_ELEMENTS
     wide = llama(vocab_size=2048)  # lm_head 2048 x 32 = TRANSPOSE_MIN_ELEMENTS: copied
-    lean = LeanDecoder(wide, transpose=True)
-    assert lean.transposed_weights == 1 and lean._transposed[id(wide.lm_head.weight)].stride() == (2048, 1)
-    assert LeanDecoder(wide).transposed_weights == 0  # off unless asked
+    lean = LeanDecoder(wide, layout="transposed")
+    assert lean.weight_copies == 1 and lean._copies[id(wide.lm_head.weight)].stride() == (2048, 1)
+    assert LeanDecoder(wide).weight_copies == 0  # plain unless asked
     monkeypatch.setattr(hf_lean, "TRANSPOSE_MIN_ELEMENTS", 1)
     for model in (llama(), qwen2()):  # qwen2: the q/k/v biases go through addmm
-        diffs, lean = _compare(model, transpose=True)
-        assert lean.transposed_weights == 2 * 7 + 1 and max(diffs) < 1e-5  # 7 projections a layer + lm_head
+        diffs, lean = _compare(model, "transposed")
+        assert lean.weight_copies == 2 * 7 + 1 and max(diffs) < 1e-5  # 7 projections a layer + lm_head
     calls = []
     monkeypatch.setattr(torch, "mm", lambda *a: calls.append(a[0].shape[0]) or torch.matmul(*a))
     monkeypatch.setattr(torch, "addmm", lambda b, x, w: calls.append(x.shape[0]) or torch.matmul(x, w) + b)
-    _compare(llama(), transpose=True, steps=1)
+    _compare(llama(), "transposed", steps=1)
     assert calls == [5] * (2 * 7 + 1)  # five rows: every projection through its transposed copy
     calls.clear()
-    _compare(llama(), transpose=True, steps=1, prompts=PROMPTS[:3])
+    _compare(llama(), "transposed", steps=1, prompts=PROMPTS[:3])
     assert calls == []  # three rows: under TRANSPOSE_MIN_ROWS, the original layout (a GEMV)
+
+
+needs_onednn = pytest.mark.skipif(not hf_lean.packed_layout_available(), reason="torch without oneDNN")
+
+
+@needs_onednn
+def test_packed_weight_copies_give_the_same_logits(monkeypatch):
+    assert LeanDecoder(llama(), layout="packed").weight_copies == 0  # all under PACK_MIN_ELEMENTS
+    wide = llama(vocab_size=4096)  # lm_head 4096 x 32 = PACK_MIN_ELEMENTS: packed
+    assert LeanDecoder(wide, layout="packed").weight_copies == 1
+    assert LeanDecoder(llama(vocab_size=4095), layout="packed").weight_copies == 0
+    monkeypatch.setattr(hf_lean, "PACK_MIN_ELEMENTS", 1)
+    for model in (llama(), qwen2()):  # qwen2: the q/k/v biases go into the packed linear
+        diffs, lean = _compare(model, "packed")
+        assert lean.weight_copies == 2 * 7 + 1 and max(diffs) < 1e-5  # 7 projections a layer + lm_head
+    bf16 = llama().to(torch.bfloat16)
+    plain, _ = _compare(bf16, "plain", steps=3)
+    packed, lean = _compare(bf16, "packed", steps=3)
+    assert lean.weight_copies == 15 and max(packed) < 0.05 and max(plain) < 0.05
+    half = llama().to(torch.float16)  # not a dtype packed: the original layout
+    assert LeanDecoder(half, layout="packed").weight_copies == 0
+    real, calls = torch.ops.mkldnn._linear_pointwise, []
+
+    class Ops:  # records the rows of each packed multiply (torch.ops' namespaces are read-only)
+        @staticmethod
+        def _linear_pointwise(x, *args):
+            calls.append(x.shape[0])
+            return real(x, *args)
+
+        _reorder_linear_weight = torch.ops.mkldnn._reorder_linear_weight
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Ops)
+    _compare(llama(), "packed", steps=1)
+    assert calls == [5] * (2 * 7 + 1)  # five rows: every projection through its packed copy
+    calls.clear()
+    _compare(llama(), "packed", steps=1, prompts=PROMPTS[:1])
+    assert calls == [1] * (2 * 7 + 1)  # one row too: packed copies serve any number of rows
+
+
+def test_layouts_refused_by_name():
+    with pytest.raises(
+        ValueError, match=r"layout must be one of \('plain', 'transposed', 'packed'\), got 'fast'"
+    ):
+        LeanDecoder(llama(), layout="fast")
 
 
 def test_models_the_lean_step_does_not_take_are_named_with_the_reason():
@@ -133,6 +177,12 @@ def test_models_the_lean_step_does_not_take_are_named_with_the_reason():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
     assert lean_unsupported(gpt2) == "model_type 'gpt2' is not one of ('llama', 'qwen2')"
+    from peft import LoraConfig, get_peft_model
+
+    adapted = llama()
+    get_peft_model(adapted, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))  # wraps in place
+    reason = "a projection is a peft.tuners.lora.layer.Linear, not a torch.nn.Linear (adapters?)"
+    assert lean_unsupported(adapted) == reason
     with pytest.raises(ValueError, match="LeanDecoder cannot decode this model: hidden_act is 'gelu'"):
         LeanDecoder(llama(hidden_act="gelu"))
 
@@ -167,15 +217,50 @@ def test_decode_step_chooses_the_path_and_lean_refuses_a_model_it_cannot_take():
         HFRolloutReplica(0, RolloutConfig(engine_kwargs={"decode_step": "fast"}), ModelConfig())
 
 
-def test_transpose_weights_is_off_by_default_and_copies_the_large_weights_when_on():
-    wide = llama(vocab_size=2048)  # lm_head 2048 x 32 = TRANSPOSE_MIN_ELEMENTS
+@pytest.mark.parametrize("layout", ["plain", "transposed", "packed"])
+def test_the_replica_decodes_alike_in_every_weight_layout(layout):
+    if layout == "packed" and not hf_lean.packed_layout_available():
+        pytest.skip("torch without oneDNN")
+    wide = llama(vocab_size=4096)  # lm_head 4096 x 32: copied in both copying layouts
     wide.generation_config.eos_token_id = wide.config.vocab_size
-    off, off_stats = _replica_run(wide, [5, 6, 7])
-    on, on_stats = _replica_run(wide, [5, 6, 7], transpose_weights=True)
-    assert (off_stats.transposed_weights, on_stats.transposed_weights) == (0, 1)
-    assert on.token_ids == off.token_ids and on_stats.lean_steps == 4
-    with pytest.raises(ValueError, match=r"transpose_weights must be true or false, got 'yes'"):
-        HFRolloutReplica(0, RolloutConfig(engine_kwargs={"transpose_weights": "yes"}), ModelConfig())
+    plain, _ = _replica_run(wide, [5, 6, 7], weight_layout="plain")
+    out, stats = _replica_run(wide, [5, 6, 7], weight_layout=layout)
+    assert out.token_ids == plain.token_ids and stats.lean_steps == 4
+    assert (stats.weight_layout, stats.weight_copies) == (layout, 0 if layout == "plain" else 1)
+
+
+def test_weight_layout_auto_packs_on_the_cpu_and_bad_values_are_refused(monkeypatch):
+    wide = llama(vocab_size=4096)
+    _, stats = _replica_run(wide, [5, 6, 7])
+    expected = "packed" if hf_lean.packed_layout_available() else "plain"
+    assert stats.weight_layout == expected and stats.weight_copies == (expected == "packed")
+    monkeypatch.setattr("trellis.rollout.hf.packed_layout_available", lambda: False)
+    _, stats = _replica_run(wide, [5, 6, 7])
+    assert (stats.weight_layout, stats.weight_copies) == ("plain", 0)  # auto without oneDNN
+    with pytest.raises(ValueError, match=r'weight_layout="packed" needs torch built with oneDNN'):
+        _replica_run(wide, [5, 6, 7], weight_layout="packed")
+    with pytest.raises(
+        ValueError, match=r'weight_layout must be "auto", "plain", "transposed" or "packed", got .yes.'
+    ):
+        HFRolloutReplica(0, RolloutConfig(engine_kwargs={"weight_layout": "yes"}), ModelConfig())
+    with pytest.raises(
+        ValueError,
+        match=r"transpose_weights was replaced by engine_kwargs.weight_layout: write weight_layout: .tra",
+    ):
+        HFRolloutReplica(0, RolloutConfig(engine_kwargs={"transpose_weights": True}), ModelConfig())
+
+
+def test_a_cpu_weight_layout_is_refused_for_a_model_elsewhere_at_init():
+    async def main():
+        replica = HFRolloutReplica(
+            0, RolloutConfig(engine_kwargs={"weight_layout": "transposed"}), ModelConfig()
+        )
+        await replica.init("hybrid", model=llama().to("meta"), tokenizer=None)
+
+    with pytest.raises(
+        ValueError, match=r"weight_layout='transposed' is a CPU layout; this model is on meta"
+    ):
+        asyncio.run(main())
 
 
 def test_kv_buffers_keep_rows_cut_leading_columns_and_grow():

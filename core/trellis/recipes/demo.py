@@ -36,7 +36,9 @@ heap frozen (docs/performance.md, "Micro-batches of whole groups"): 6 min 33 s, 
 replica's weights freed while training, the fused RMSNorm), each admission's common prompt start
 prefilled once, and the replica decoding on the event loop's thread (docs/performance.md, "Decoding
 on the event loop's thread"): 5 min 18 s, steps of 7.4 s (generation 2.4 s, update 4.9 s),
-5.0% -> 58.0%, peak 4.58 GiB.
+5.0% -> 58.0%, peak 4.58 GiB. With the replica's large weights packed for oneDNN while it decodes
+(docs/performance.md, "Weights packed for oneDNN"): 5 min 2 s and 5 min 34 s in two runs on the
+noisy host, steps of 6.9 and 7.1 s (generation 2.07 and 2.17 s), 5.0% -> 58.0% both, peak 4.60 GiB.
 """
 
 from __future__ import annotations

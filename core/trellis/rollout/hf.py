@@ -103,9 +103,12 @@ worker's own weights); ``colocated`` and ``standalone`` both load a private copy
 ``batching`` (``"continuous"``, or ``"static"``: one ``generate`` per batch), ``decode_step``
 (``"auto"``: the continuous decoder's steps skip the ``transformers`` forward for Llama-family
 models, see :mod:`trellis.rollout.hf_lean`; ``"lean"``: that, or an error naming why the model does
-not qualify; ``"hf"``: always the model's own forward), ``transpose_weights`` (false; true: lean
-steps on the CPU multiply by transposed copies of the large weights, taken per session: faster
-decoding for one more copy of the weights in memory), ``sleep_level`` (1: ``sleep`` keeps the
+not qualify; ``"hf"``: always the model's own forward), ``weight_layout`` (``"auto"``: ``"packed"``
+on the CPU where torch has oneDNN, else ``"plain"``; ``"packed"``: lean steps multiply by copies of
+the large weights packed for oneDNN, taken per session: faster decoding for one more copy of those
+weights in memory while the session runs; ``"transposed"``: transposed contiguous copies instead;
+``"plain"``: no copy. The CPU layouts are refused for a model elsewhere; see
+:mod:`trellis.rollout.hf_lean`), ``sleep_level`` (1: ``sleep`` keeps the
 weights, moving a private copy on an accelerator to host memory; 2: ``sleep`` frees a private copy's
 weights, as vLLM's level 2 does, and the next weight update allocates and loads them again; a batch
 that starts before every weight was loaded fails with a RuntimeError saying so; hybrid mode refuses
@@ -135,7 +138,7 @@ from trellis.rollout.hf_continuous import (
     left_padded,
     supports_continuous,
 )
-from trellis.rollout.hf_lean import LeanDecoder, lean_unsupported
+from trellis.rollout.hf_lean import WEIGHT_LAYOUTS, LeanDecoder, lean_unsupported, packed_layout_available
 from trellis.rollout.hf_sampling import RowRule, stop_string_cut, uniform_streams
 from trellis.rollout.sampling import SamplingParams, StopReason, TokenOutput
 from trellis.utils.settings import setting
@@ -239,10 +242,19 @@ class HFRolloutReplica(RolloutReplica):
                 f'engine_kwargs.decode_step must be "auto", "lean" or "hf", got {decode_step!r}.'
             )
         self.decode_step: str = decode_step
-        transpose = kwargs.get("transpose_weights", False)
-        if not isinstance(transpose, bool):
-            raise ValueError(f"engine_kwargs.transpose_weights must be true or false, got {transpose!r}.")
-        self.transpose_weights: bool = transpose
+        if "transpose_weights" in kwargs:
+            raise ValueError(
+                "engine_kwargs.transpose_weights was replaced by engine_kwargs.weight_layout: write "
+                'weight_layout: "transposed" for true, "plain" for false (the default "auto" packs the '
+                "weights for oneDNN on the CPU)."
+            )
+        weight_layout = kwargs.get("weight_layout", "auto")
+        if weight_layout not in ("auto", *WEIGHT_LAYOUTS):
+            raise ValueError(
+                f'engine_kwargs.weight_layout must be "auto", "plain", "transposed" or "packed", got '
+                f"{weight_layout!r}."
+            )
+        self.weight_layout: str = weight_layout
         decode_thread = kwargs.get("decode_thread", "auto")
         if decode_thread not in ("auto", "loop", "worker"):
             raise ValueError(
@@ -327,6 +339,8 @@ class HFRolloutReplica(RolloutReplica):
                 self.model.to(self.device)
         else:
             self.device = next(self.model.parameters()).device
+        if self.weight_layout not in ("auto", "plain"):
+            self._weight_layout()  # refuses a CPU layout elsewhere now, not at the first request
         if mode != "hybrid":
             self.model.eval()  # hybrid: training owns the module's mode; _run_batch switches it per batch
         seed = _setting(self.rollout_config, RolloutConfig, "seed")
@@ -705,9 +719,31 @@ class HFRolloutReplica(RolloutReplica):
                     'Use "auto" (falls back to the model\'s forward) or "hf".'
                 )
             return None
-        lean = LeanDecoder(self.model, transpose=self.transpose_weights and self.device.type == "cpu")
-        self.decode_stats.transposed_weights = lean.transposed_weights
+        lean = LeanDecoder(self.model, layout=self._weight_layout())
+        self.decode_stats.weight_layout, self.decode_stats.weight_copies = lean.layout, lean.weight_copies
         return lean
+
+    def _weight_layout(self) -> str:
+        """The layout lean steps multiply the large weights in (``weight_layout``; see the module docstring).
+
+        Raises:
+            ValueError: ``transposed`` or ``packed`` for a model off the CPU, or ``packed`` where torch
+                has no oneDNN.
+        """
+        on_cpu = self.device is not None and self.device.type == "cpu"
+        if self.weight_layout == "auto":
+            return "packed" if on_cpu and packed_layout_available() else "plain"
+        if self.weight_layout != "plain" and not on_cpu:
+            raise ValueError(
+                f"engine_kwargs.weight_layout={self.weight_layout!r} is a CPU layout; this model is on "
+                f'{self.device}. Use "auto" (plain off the CPU) or "plain".'
+            )
+        if self.weight_layout == "packed" and not packed_layout_available():
+            raise ValueError(
+                'engine_kwargs.weight_layout="packed" needs torch built with oneDNN '
+                '(torch.backends.mkldnn.is_available() is false here). Use "auto" or "plain".'
+            )
+        return self.weight_layout
 
     def _vision_processor(self) -> Any:
         """The model's multimodal processor (loaded from ``model.path`` on first use)."""

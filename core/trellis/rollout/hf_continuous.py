@@ -76,7 +76,8 @@ class DecodeStats:
     shared_prefill_rows: int = 0  # admitted rows whose context another row of their prefill computed
     shared_prefix_tokens: int = 0  # context tokens not prefilled: a common start computed once per prefill
     lean_steps: int = 0  # decoding steps run by the LeanDecoder (the rest by the transformers forward)
-    transposed_weights: int = 0  # weights the last session's LeanDecoder multiplies through a copy
+    weight_layout: str = "plain"  # the layout the last session's LeanDecoder multiplied the large weights in
+    weight_copies: int = 0  # weights that LeanDecoder multiplied through a copy in that layout
 
 
 @dataclass
