@@ -48,6 +48,7 @@ from _common import smollm2_or_note  # benchmarks/_common.py: the script's own f
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout import SamplingParams
 from trellis.rollout.hf import AUTO_SINGLE_THREAD_PARAMS, HFRolloutReplica, _torch_threads
+from trellis.rollout.hf_continuous import left_padded
 
 TEXTS = ["What is 12 + 7?", "Compute 3 * 4 - 5. First", "The quick brown fox jumps", "system You are a"]
 
@@ -71,13 +72,9 @@ def _median_time(fn, repeats: int) -> tuple[float, int]:
 
 
 def time_padded(model, tokenizer, prompts, lengths, repeats) -> tuple[float, int]:
-    width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
+    ids, mask = left_padded(prompts, pad)
+    width = ids.shape[1]
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or [tokenizer.eos_token_id])
 

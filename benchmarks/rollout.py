@@ -46,6 +46,7 @@ from _common import smollm2_or_note  # benchmarks/_common.py: the script's own f
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout import SamplingParams
 from trellis.rollout.hf import HFRolloutReplica
+from trellis.rollout.hf_continuous import left_padded
 
 TEXTS = ["What is 12 + 7?", "Compute 3 * 4 - 5. First", "The quick brown fox jumps", "system You are a"]
 
@@ -108,13 +109,9 @@ def time_served(name, path, ps, max_tokens, repeats, dtype, **engine_kwargs) -> 
 
 def time_direct(model, tokenizer, ps, max_tokens, repeats, do_sample=True) -> tuple[float, int]:
     """Median seconds and generated tokens of one left-padded ``model.generate`` over ``ps``."""
-    width = max(len(p) for p in ps)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((len(ps), width), pad)
-    mask = torch.zeros((len(ps), width), dtype=torch.long)
-    for i, p in enumerate(ps):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
+    ids, mask = left_padded(ps, pad)
+    width = ids.shape[1]
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or [tokenizer.eos_token_id])
 

@@ -12,6 +12,7 @@ import torch
 from trellis.config.schema import ModelConfig, RolloutConfig
 from trellis.rollout import SamplingParams, hf_lean
 from trellis.rollout.hf import HFRolloutReplica
+from trellis.rollout.hf_continuous import left_padded
 from trellis.rollout.hf_lean import GROWTH, KVBuffers, LeanDecoder, lean_unsupported
 
 SMALL = dict(
@@ -36,22 +37,12 @@ def qwen2(**overrides):
     return Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **{**SMALL, **overrides})).eval()
 
 
-def _left_padded(rows: list[list[int]]):
-    width = max(len(r) for r in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
-    return ids, mask
-
-
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [18], [19, 20, 21, 22, 23]]
 
 
 def _compare(model, layout, steps=6, prompts=PROMPTS):
     """Logits of ``steps`` decoding steps: the transformers forward vs the lean step, same tokens fed."""
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts, 0)
     n = len(prompts)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():

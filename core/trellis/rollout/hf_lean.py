@@ -250,12 +250,10 @@ class LeanDecoder:
 
         copy = self._copies.get(id(module.weight))
         flat = x.reshape(-1, x.shape[-1])
-        if copy is None:
+        if copy is None or (self.layout == "transposed" and flat.shape[0] < TRANSPOSE_MIN_ROWS):
             return F.linear(x, module.weight, module.bias)
         if self.layout == "packed":
             out = torch.ops.mkldnn._linear_pointwise(flat, copy, module.bias, "none", [], "")
-        elif flat.shape[0] < TRANSPOSE_MIN_ROWS:
-            return F.linear(x, module.weight, module.bias)
         elif module.bias is None:
             out = torch.mm(flat, copy)
         else:
