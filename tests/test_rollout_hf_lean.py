@@ -34,7 +34,12 @@ def qwen2(**overrides):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **{**SMALL, **overrides})).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **{**SMALL, **overrides})).eval()
+    with torch.no_grad():  # transformers initialises biases to zero: a step that dropped them would pass
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    return model
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [18], [19, 20, 21, 22, 23]]
@@ -71,7 +76,7 @@ def _compare(model, layout, steps=6, prompts=PROMPTS):
 def test_the_lean_step_gives_the_transformers_logits(build):
     model = build()
     if build is qwen2:
-        assert model.model.layers[0].self_attn.q_proj.bias is not None  # the biases are used
+        assert model.model.layers[0].self_attn.q_proj.bias.abs().min() > 0  # the biases are used
     diffs, lean = _compare(model, "plain")
     assert max(diffs) < 1e-5 and lean.weight_copies == 0
 
@@ -123,13 +128,23 @@ def test_packed_weight_copies_give_the_same_logits(monkeypatch):
     assert LeanDecoder(wide, layout="packed").weight_copies == 1
     assert LeanDecoder(llama(vocab_size=4095), layout="packed").weight_copies == 0
     monkeypatch.setattr(hf_lean, "PACK_MIN_ELEMENTS", 1)
-    for model in (llama(), qwen2()):  # qwen2: the q/k/v biases go into the packed linear
+    for model in (llama(), qwen2()):  # qwen2: the q/k/v biases go into the joined packed linear
         diffs, lean = _compare(model, "packed")
-        assert lean.weight_copies == 2 * 7 + 1 and max(diffs) < 1e-5  # 7 projections a layer + lm_head
+        # a layer: q/k/v joined, gate/up joined, o_proj, down_proj; + lm_head
+        assert (lean.weight_copies, lean.joined_copies) == (2 * 4 + 1, 2 * 2) and max(diffs) < 1e-5
+    no_k_bias = qwen2()
+    no_k_bias.model.layers[1].self_attn.k_proj.bias = None  # joins as zeros between q's and v's biases
+    diffs, lean = _compare(no_k_bias, "packed")
+    assert max(diffs) < 1e-5
+    joined_bias = lean._joined[(id(no_k_bias.model.layers[1].self_attn), "q_proj")][1]
+    assert joined_bias.shape == (32 + 16 + 16,) and not joined_bias[32:48].any() and joined_bias[48:].any()
     bf16 = llama().to(torch.bfloat16)
     plain, _ = _compare(bf16, "plain", steps=3)
     packed, lean = _compare(bf16, "packed", steps=3)
-    assert lean.weight_copies == 15 and max(packed) < 0.05 and max(plain) < 0.05
+    assert lean.weight_copies == 9 and max(packed) < 0.05 and max(plain) < 0.05
+    mixed = llama()
+    mixed.model.layers[0].self_attn.k_proj.to(torch.bfloat16)  # not joined with q and v: packed apart
+    assert LeanDecoder(mixed, layout="packed").joined_copies == 3
     half = llama().to(torch.float16)  # not a dtype packed: the original layout
     assert LeanDecoder(half, layout="packed").weight_copies == 0
     real, calls = torch.ops.mkldnn._linear_pointwise, []
@@ -144,10 +159,10 @@ def test_packed_weight_copies_give_the_same_logits(monkeypatch):
 
     monkeypatch.setattr(torch.ops, "mkldnn", Ops)
     _compare(llama(), "packed", steps=1)
-    assert calls == [5] * (2 * 7 + 1)  # five rows: every projection through its packed copy
+    assert calls == [5] * (2 * 4 + 1)  # five rows: every projection through its (joined) packed copy
     calls.clear()
     _compare(llama(), "packed", steps=1, prompts=PROMPTS[:1])
-    assert calls == [1] * (2 * 7 + 1)  # one row too: packed copies serve any number of rows
+    assert calls == [1] * (2 * 4 + 1)  # one row too: packed copies serve any number of rows
 
 
 def test_layouts_refused_by_name():
@@ -255,15 +270,18 @@ def test_a_cpu_weight_layout_is_refused_for_a_model_elsewhere_at_init():
 
 
 def test_kv_buffers_keep_rows_cut_leading_columns_and_grow():
-    keys = torch.arange(4 * 2 * 5 * 3, dtype=torch.float32).view(4, 2, 5, 3)
+    keys = torch.arange(5 * 2 * 5 * 3, dtype=torch.float32).view(5, 2, 5, 3)
     kv = KVBuffers([(keys, -keys)], capacity=7)
     assert (kv.width, kv.capacity) == (5, 7) and torch.equal(kv.pairs()[0][0], keys)
-    kept = kv.select(torch.tensor([1, 3]), lead=2, capacity=9)
-    k, v = kept.pairs()[0]
-    assert (kept.width, kept.capacity) == (3, 9)
-    assert torch.equal(k, keys[[1, 3], :, 2:]) and torch.equal(v, -keys[[1, 3], :, 2:])
-    assert torch.equal(kv.pairs()[0][0], keys)  # the old buffers are left as they were
-    kept.width = kept.capacity  # full: the next step's column is past the end
-    before = kept.pairs()[0][0].clone()
-    kept.make_room()
-    assert kept.capacity == 9 + GROWTH and torch.equal(kept.pairs()[0][0], before)
+    storage = kv.layers[0][0].untyped_storage().data_ptr()
+    order = kv.retire([1, 3, 4], lead=2)  # rows 3 and 4 (past the new end) move into 0's and 2's slots
+    assert order == [3, 1, 4]
+    k, v = kv.pairs()[0]
+    assert (kv.width, kv.capacity) == (3, 5)
+    assert torch.equal(k, keys[order][:, :, 2:]) and torch.equal(v, -keys[order][:, :, 2:])
+    assert kv.layers[0][0].untyped_storage().data_ptr() == storage  # in place: no new buffers
+    assert kv.retire([0, 1], lead=0) == [0, 1] and torch.equal(kv.pairs()[0][0], keys[[3, 1]][:, :, 2:])
+    kv.width = kv.capacity  # full: the next step's column is past the end
+    before = kv.pairs()[0][0].clone()
+    kv.make_room()
+    assert kv.capacity == 5 + GROWTH and torch.equal(kv.pairs()[0][0], before)

@@ -25,7 +25,8 @@ teacher-forced forward pass of its own tokens (padding is masked out), to float 
 Llama-family models the decoding steps skip the ``transformers`` forward
 (:class:`~trellis.rollout.hf_lean.LeanDecoder`): the cache is then per-layer buffers with room for
 the rows' remaining tokens (:class:`~trellis.rollout.hf_lean.KVBuffers`), written in place instead
-of concatenated every step; joins and retirements copy them once.
+of concatenated every step; a join copies them once, a retirement moves only the rows that stay past
+the new last row into the freed slots (so the running rows change order, and their state with them).
 
 Sampling is :class:`~trellis.rollout.hf_sampling.RowRule` with each row's own uniform stream, as
 in the ``generate`` path, so a seeded request gets the same tokens either way; unseeded rows draw
@@ -431,13 +432,15 @@ class ContinuousDecoder:
             self.cache = self.mask = self.uniforms = self.positions = self.last = None
             return
         keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
-        self.mask = self.mask[keep]
-        lead = int(self.mask.any(0).int().argmax())  # first column some row still uses
-        self.mask = self.mask[:, lead:]
-        if isinstance(self.cache, KVBuffers):  # one copy, straight into the new buffers
-            self.cache = self.cache.select(keep, lead, self.mask.shape[1] + _room(self.rows))
+        lead = int(self.mask[keep].any(0).int().argmax())  # first column some row still uses
+        if isinstance(self.cache, KVBuffers):  # in place: only rows moving into freed slots are copied
+            order = self.cache.retire(keep_list, lead)
+            position = {old: new for new, old in enumerate(keep_list)}
+            self.rows = [self.rows[position[i]] for i in order]
+            keep = torch.tensor(order, dtype=torch.long, device=self.device)
         else:
             self._store([(k[keep, :, lead:], v[keep, :, lead:]) for k, v in _pairs(self.cache)], 0)
+        self.mask = self.mask[keep][:, lead:]
         self.positions = self.positions[keep]
         self.last = self.last[keep]
         self.uniforms = self.uniforms[keep]

@@ -17,7 +17,10 @@ memory while the session runs:
   ``torch.ops.mkldnn._linear_pointwise``, the pair ``torch.compile`` uses for CPU linears. A plain
   ``F.linear`` re-packs the weight on every call; at the 4-64 rows of a decoding step that packing
   is a large share of the call (SmolLM2's 49k x 576 output layer: 54 -> 93 GFLOP/s at 32 rows in
-  fp32). Where torch was built without oneDNN, :func:`packed_layout_available` says so.
+  fp32). The projections that read the same input are joined into one packed weight (a layer's
+  ``q/k/v_proj``, and its ``gate/up_proj``), as vLLM's fused linears are: four multiplies a layer
+  instead of seven, the small ``k/v`` weights packed with ``q``'s. Where torch was built without
+  oneDNN, :func:`packed_layout_available` says so.
 - ``transposed``: ``x @ Wᵀ`` with ``Wᵀ`` a contiguous ``(in, out)`` copy, which some CPUs' MKL GEMM
   runs faster than ``F.linear`` on the ``(out, in)`` one (docs/performance.md).
 - ``plain``: no copy.
@@ -50,8 +53,8 @@ WEIGHT_LAYOUTS = ("plain", "transposed", "packed")
 TRANSPOSE_MIN_ELEMENTS = 1 << 16
 """Smallest weight a transposed copy is kept of: smaller ones gain nothing on their layout."""
 PACK_MIN_ELEMENTS = 1 << 17
-"""Smallest weight a packed copy is kept of: oneDNN's call costs ~15 µs more than ``F.linear``'s, which
-a smaller weight's multiply does not win back (fp32, one thread)."""
+"""Smallest weight a packed copy is kept of (joined weights: their sum): oneDNN's call costs ~15 µs more
+than ``F.linear``'s, which a smaller weight's multiply does not win back (fp32, one thread)."""
 PACK_ROWS_HINT = 32
 """The row count oneDNN packs for; the packed weight serves any number of rows (4-64 measured alike)."""
 PACKED_DTYPES = ("float32", "bfloat16")
@@ -60,6 +63,23 @@ TRANSPOSE_MIN_ROWS = 4
 """Fewest rows multiplied through a transposed copy: one to three rows run a GEMV, at least as fast on
 the original layout. A packed copy serves any number of rows: at one to three rows it is as fast as
 ``F.linear`` or up to 5x faster (SmolLM2's output layer, fp32, three rows)."""
+
+
+# projections of one input that the ``packed`` layout joins into one weight: one multiply, split after
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def _packable(weights: list[Any]) -> bool:
+    """Whether ``weights`` (one, or several joined) get a packed copy: on the CPU, one dtype of
+    :data:`PACKED_DTYPES`, :data:`PACK_MIN_ELEMENTS` in all."""
+    dtypes = {str(w.dtype).removeprefix("torch.") for w in weights}
+    return (
+        sum(w.numel() for w in weights) >= PACK_MIN_ELEMENTS
+        and all(w.device.type == "cpu" for w in weights)
+        and len(dtypes) == 1
+        and dtypes <= set(PACKED_DTYPES)
+    )
 
 
 def packed_layout_available() -> bool:
@@ -134,7 +154,8 @@ def lean_unsupported(model: Any) -> str | None:
 class KVBuffers:
     """Each layer's keys and values of the running rows, ``(rows, kv_heads, capacity, head_dim)``, of
     which the first :attr:`width` columns hold tokens (left-padded: every row's last token in column
-    ``width - 1``); a step writes column ``width`` in place.
+    ``width - 1``); a step writes column ``width`` in place. After a :meth:`retire` they are views of
+    the buffers first allocated (fewer rows, from a later column), never reallocated for it.
 
     Args:
         pairs: per layer ``(keys, values)`` of ``width`` columns (copied in).
@@ -162,23 +183,35 @@ class KVBuffers:
         w = self.width
         return [(k[:, :, :w], v[:, :, :w]) for k, v in self.layers]
 
-    def select(self, rows: Any, lead: int, capacity: int) -> KVBuffers:
-        """New buffers of ``capacity`` columns holding rows ``rows`` (an index tensor) of these, from
-        column ``lead`` on: one copy (``index_select`` into the new buffers)."""
+    def retire(self, keep: list[int], lead: int) -> list[int]:
+        """Keep only rows ``keep`` (indices, ascending), from column ``lead`` on, in place: each row
+        that stays past the new last row moves into a leaving row's slot (one copy of those rows' used
+        columns), and the buffers become views of the first ``len(keep)`` rows from column ``lead``.
+        Nothing else is copied, so a retirement costs the rows moved, not the whole cache.
+
+        Returns the old index of the row now in each position (``keep`` reordered); the caller reorders
+        its per-row state the same way.
+        """
         import torch
 
-        out = KVBuffers.__new__(KVBuffers)
-        width = self.width - lead
-        capacity = max(int(capacity), width + 1)
-        out.layers = []
+        n, kept = len(keep), set(keep)
+        holes = [i for i in range(n) if i not in kept]  # leaving rows inside the new first n
+        movers = [i for i in keep if i >= n]  # staying rows beyond them: as many as holes
+        order = list(range(n))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        layers = []
         for keys, values in self.layers:
-            shape = (len(rows), keys.shape[1], capacity, keys.shape[3])
-            k, v = keys.new_empty(shape), values.new_empty(shape)
-            torch.index_select(keys[:, :, lead : self.width], 0, rows, out=k[:, :, :width])
-            torch.index_select(values[:, :, lead : self.width], 0, rows, out=v[:, :, :width])
-            out.layers.append((k, v))
-        out.width = width
-        return out
+            if holes:
+                dst = torch.tensor(holes, dtype=torch.long, device=keys.device)
+                src = torch.tensor(movers, dtype=torch.long, device=keys.device)
+                for buffer in (keys, values):
+                    used = buffer[:, :, : self.width]
+                    used.index_copy_(0, dst, used.index_select(0, src))
+            layers.append((keys[:n, :, lead:], values[:n, :, lead:]))
+        self.layers = layers
+        self.width -= lead
+        return order
 
     def make_room(self) -> None:
         """Grow by :data:`GROWTH` columns when the next step's column is past the end."""
@@ -194,8 +227,10 @@ class LeanDecoder:
         model: the causal LM (its parameters are read at every step, but for the weight copies).
         layout: one of :data:`WEIGHT_LAYOUTS` (CPU layouts but ``plain``): ``transposed`` copies the
             weights of at least :data:`TRANSPOSE_MIN_ELEMENTS`, ``packed`` those of at least
-            :data:`PACK_MIN_ELEMENTS` in :data:`PACKED_DTYPES`. The copies are taken here: build a
-            new decoder after the weights change.
+            :data:`PACK_MIN_ELEMENTS` in :data:`PACKED_DTYPES`, each layer's :data:`QKV` and
+            :data:`GATE_UP` joined. The copies are taken here: build a new decoder after the weights
+            change. :attr:`weight_copies` counts them (a joined copy once), :attr:`joined_copies` the
+            joined ones.
 
     Raises:
         ValueError: a model :func:`lean_unsupported` refuses, an unknown layout, or ``packed`` where
@@ -223,24 +258,44 @@ class LeanDecoder:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.layout = layout
         self._copies: dict[int, Any] = {}  # id(weight) -> its copy in ``layout``
+        # (id(parent module), first projection's name) -> (packed joined weight, joined bias, out sizes)
+        self._joined: dict[tuple[int, str], tuple[Any, Any, list[int]]] = {}
         with torch.no_grad():
+            joined: set[int] = set()  # id(weight) of the projections multiplied through a joined copy
+            if layout == "packed":
+                for layer in self.inner.layers:
+                    for parent, names in ((layer.self_attn, QKV), (layer.mlp, GATE_UP)):
+                        joined |= self._join(parent, names)
             for module in model.modules():
-                if not isinstance(module, torch.nn.Linear):
+                if not isinstance(module, torch.nn.Linear) or id(module.weight) in joined:
                     continue
                 weight = module.weight.detach()
                 if layout == "transposed" and weight.numel() >= TRANSPOSE_MIN_ELEMENTS:
                     self._copies[id(module.weight)] = weight.t().contiguous()
-                packs = (
-                    layout == "packed"
-                    and weight.numel() >= PACK_MIN_ELEMENTS
-                    and weight.device.type == "cpu"
-                    and str(weight.dtype).removeprefix("torch.") in PACKED_DTYPES
-                )
-                if packs:
+                if layout == "packed" and _packable([weight]):
                     self._copies[id(module.weight)] = torch.ops.mkldnn._reorder_linear_weight(
                         weight, PACK_ROWS_HINT
                     )
-        self.weight_copies = len(self._copies)
+        self.weight_copies = len(self._copies) + len(self._joined)
+        self.joined_copies = len(self._joined)
+
+    def _join(self, parent: Any, names: tuple[str, ...]) -> set[int]:
+        """Pack the weights of ``parent``'s projections ``names`` (one input) as one, stacked by output;
+        ``id`` of each weight joined (none when :func:`_packable` refuses them together)."""
+        import torch
+
+        modules = [getattr(parent, n) for n in names]
+        weights = [m.weight.detach() for m in modules]
+        if not _packable(weights):
+            return set()
+        sizes = [int(w.shape[0]) for w in weights]
+        bias = None
+        if any(m.bias is not None for m in modules):  # a missing bias joins as zeros
+            bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(n)
+                              for m, w, n in zip(modules, weights, sizes, strict=True)])  # fmt: skip
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), PACK_ROWS_HINT)
+        self._joined[(id(parent), names[0])] = (packed, bias, sizes)
+        return {id(m.weight) for m in modules}
 
     # ------------------------------------------------------------------ pieces
 
@@ -259,6 +314,19 @@ class LeanDecoder:
         else:
             out = torch.addmm(module.bias, flat, copy)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _project(self, x: Any, parent: Any, names: tuple[str, ...]) -> list[Any]:
+        """``parent``'s projections ``names`` of ``x``: one multiply by their joined copy where there is
+        one (its output split back), else one each."""
+        import torch
+
+        joined = self._joined.get((id(parent), names[0]))
+        if joined is None:
+            return [self._linear(x, getattr(parent, n)) for n in names]
+        packed, bias, sizes = joined
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+        return [part.view(*x.shape[:-1], part.shape[-1]) for part in out.split(sizes, dim=-1)]
 
     @staticmethod
     def _norm(x: Any, norm: Any) -> Any:
@@ -313,10 +381,10 @@ class LeanDecoder:
         for layer, (keys, values) in zip(self.inner.layers, kv.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             h = self._norm(x, layer.input_layernorm)
-            q = self._linear(h, attn.q_proj).view(rows, 1, h_, d).transpose(1, 2)
-            k = self._linear(h, attn.k_proj).view(rows, 1, kvh, d).transpose(1, 2)
-            keys[:, :, col : col + 1] = self._rotate(k, cos, sin)
-            values[:, :, col : col + 1] = self._linear(h, attn.v_proj).view(rows, 1, kvh, d).transpose(1, 2)
+            q, k, v = self._project(h, attn, QKV)
+            q = q.view(rows, 1, h_, d).transpose(1, 2)
+            keys[:, :, col : col + 1] = self._rotate(k.view(rows, 1, kvh, d).transpose(1, 2), cos, sin)
+            values[:, :, col : col + 1] = v.view(rows, 1, kvh, d).transpose(1, 2)
             q, k, v = self._rotate(q, cos, sin), keys[:, :, : col + 1], values[:, :, : col + 1]
             if upcast is not None:
                 q, k, v = q.to(upcast), k.to(upcast), v.to(upcast)
@@ -325,7 +393,8 @@ class LeanDecoder:
             ).to(x.dtype)
             x = x + self._linear(out.transpose(1, 2).reshape(rows, 1, h_ * d), attn.o_proj)
             h = self._norm(x, layer.post_attention_layernorm)
-            gated = F.silu(self._linear(h, mlp.gate_proj)) * self._linear(h, mlp.up_proj)
+            gate, up = self._project(h, mlp, GATE_UP)
+            gated = F.silu(gate) * up
             x = x + self._linear(gated, mlp.down_proj)
         kv.width = col + 1
         return self._linear(self._norm(x[:, -1, :], self.inner.norm), self.model.lm_head)
