@@ -82,11 +82,15 @@ class RowRule:
         logits = scores.float()  # float32 logits pass through without a copy
         if self.temps is not None:
             logits = logits / self.temps
-        lse = torch.logsumexp(logits, -1, keepdim=True)
         if self.greedy_only:
+            lse = torch.logsumexp(logits, -1, keepdim=True)
             chosen = logits.argmax(-1)
         else:
-            probs = (logits - lse).exp_()
+            # one exp pass for both: unnormalised probabilities (the search below scales u by their
+            # total) and the log-normaliser, logsumexp's own max + log(sum(exp(x - max)))
+            top = logits.amax(-1, keepdim=True)
+            probs = (logits - top).exp_()
+            lse = probs.sum(-1, keepdim=True).log_().add_(top)
             if self.filtered_rows is not None:
                 probs[self.filtered_rows] = self._truncate(probs[self.filtered_rows])
             # inverse CDF: the first token whose cumulative mass exceeds u * total (float64 sums)
