@@ -251,6 +251,29 @@ def test_a_weight_update_stops_admission_and_the_waiting_request_gets_the_new_we
     assert len(set(second.token_ids)) == 1  # zero weights: uniform logits, greedy takes token 0 each step
 
 
+def test_wake_up_of_an_awake_replica_does_not_wait_for_its_running_session(base):
+    """A weight sync wakes the replica first: awake, that returns at once instead of waiting for the
+    running session (which keeps admitting requests) to drain; a sleep still pending is waited for."""
+    model, tok = base
+    p0 = prompts(tok, 1)[0]
+    sp = SamplingParams(temperature=0, max_tokens=100)
+
+    async def body(replica):
+        first = asyncio.ensure_future(replica.generate(p0, sp, "first"))
+        await wait_for_steps(replica, 3)
+        await replica.wake_up()
+        steps_at_wake = replica.decode_stats.steps
+        running = not first.done()
+        sleep = asyncio.ensure_future(replica.sleep())  # waits for the session, then sleeps
+        await asyncio.sleep(0)
+        await replica.wake_up()  # waits for that sleep, then wakes
+        return running, steps_at_wake, sleep.done(), replica.asleep, await first
+
+    running, steps_at_wake, slept, asleep, first = run(model, tok, body)
+    assert running and steps_at_wake < 99  # woke while the row still decoded
+    assert slept and not asleep and len(first.token_ids) == 100
+
+
 def test_shutdown_aborts_the_running_rows_and_stops_the_thread(base):
     model, tok = base
     p0, p1 = prompts(tok, 2)
