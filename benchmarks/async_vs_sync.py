@@ -7,7 +7,9 @@ generates (a standalone ``hf`` replica, a Ray actor with one torch thread) and o
 driver, one torch thread). The modes: ``sync`` (generate, then train), ``one_step_off`` (the next
 batch generates while this one trains) and ``async`` with ``rollout.max_staleness=2`` (the replica
 generates prompt groups continuously into the replay pool; each step trains as soon as its groups
-are ready). Response lengths have a long tail: ``max_response_length`` is raised well above what
+are ready), and ``async_partial``, the same with ``rollout.partial_rollout=true`` (a weight sync
+interrupts the rows in flight after their current token instead of waiting for them to finish; they
+resume under the new weights). Response lengths have a long tail: ``max_response_length`` is raised well above what
 most answers need, so a few responses per batch run to the limit while most stop early (the tiny
 model's eos is rare; SmolLM2 answers the arithmetic task in a few tokens but sometimes rambles).
 
@@ -36,6 +38,7 @@ MODES = {
     "sync": ["trainer.mode=sync"],
     "one_step_off": ["trainer.mode=one_step_off"],
     "async": ["trainer.mode=async", "rollout.max_staleness=2"],
+    "async_partial": ["trainer.mode=async", "rollout.max_staleness=2", "rollout.partial_rollout=true"],
 }
 
 
