@@ -9,9 +9,10 @@ batch generates while this one trains) and ``async`` with ``rollout.max_stalenes
 generates prompt groups continuously into the replay pool; each step trains as soon as its groups
 are ready), and ``async_partial``, the same with ``rollout.partial_rollout=true`` (a weight sync
 interrupts the rows in flight after their current token instead of waiting for them to finish; they
-resume under the new weights). Response lengths have a long tail: ``max_response_length`` is raised well above what
-most answers need, so a few responses per batch run to the limit while most stop early (the tiny
-model's eos is rare; SmolLM2 answers the arithmetic task in a few tokens but sometimes rambles).
+resume under the new weights). Response lengths have a long tail: ``max_response_length`` is raised
+well above what most answers need, so a few responses per batch run to the limit while most stop
+early (the tiny model's eos is rare; SmolLM2 answers the arithmetic task in a few tokens but
+sometimes rambles).
 
 Printed per model and mode: trained samples per second over steps 2..N (the first step of the
 overlapping modes waits for the first batch like sync does), the ratio to sync (target: async
