@@ -206,6 +206,75 @@ def test_sync_raises_the_iterator_error(engine):
     assert_bit_identical(STATE, replica.loaded)
 
 
+class _Engine:
+    """A receiving engine that logs each tensor as the receiver reads it (and can fail after some)."""
+
+    def __init__(self, log: list[str], fail_after: int | None = None) -> None:
+        self.log, self.fail_after = log, fail_after
+
+    async def receive_weights(self):
+        for i, (name, tensor) in enumerate(STATE.items()):
+            if i == self.fail_after:
+                raise WeightSyncError("the sender is gone")
+            self.log.append(f"read {name}")
+            yield name, tensor
+
+
+class _HeldReplica(RecordingReplica):
+    """A replica whose hold waits for ``release`` (rows in flight finishing), logging each hook."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log, self.release, self.weight_version = log, asyncio.Event(), 3
+
+    async def begin_weight_update(self) -> None:
+        self.log.append("begin")
+        await self.release.wait()
+        self.log.append("held")
+
+    async def end_weight_update(self, version) -> None:
+        self.log.append(f"end {version}")
+
+    async def update_weights(self, named_tensors) -> None:
+        self.log.append("load")
+        await super().update_weights(named_tensors)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_staged_receive_reads_every_bucket_before_the_hold_and_loads_after_it(staged):
+    log: list[str] = []
+    replica = _HeldReplica(log)
+
+    async def main():
+        task = asyncio.ensure_future(
+            _manager("naive").receive(_Engine(log), [replica], version=4, staged=staged)
+        )
+        for _ in range(50):  # the hold waits (rows in flight): let the receive run as far as it can
+            await asyncio.sleep(0)
+        during = list(log)
+        replica.release.set()
+        return during, await task
+
+    during, stats = asyncio.run(main())
+    reads = [f"read {name}" for name in STATE]
+    if staged:  # the sender is released while the hold still waits; nothing loads before it
+        assert during == ["begin", *reads]
+    else:
+        assert during == ["begin"]  # the hold first: the sender would wait with it
+    assert log[: len(during) + 1] == [*during, "held"] and log[-1] == "end 4"
+    assert log.count("load") == len(replica.calls) > 3 and stats.tensors == len(STATE)
+    assert_bit_identical(STATE, replica.loaded)
+
+
+def test_a_staged_receive_that_fails_to_read_ends_the_waiting_hold_with_the_old_version():
+    log: list[str] = []
+    replica = _HeldReplica(log)
+    with pytest.raises(WeightSyncError, match="the sender is gone"):
+        asyncio.run(_manager("naive").receive(_Engine(log, fail_after=3), [replica], version=4, staged=True))
+    # never held, nothing loaded, the version kept
+    assert log == ["begin", *[f"read {name}" for name in list(STATE)[:3]], "end 3"]
+
+
 def test_sync_loads_the_trainer_weights_into_an_hf_replica(tiny_model_path):
     from transformers import AutoModelForCausalLM
 

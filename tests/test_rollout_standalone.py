@@ -192,6 +192,31 @@ def test_manager_sends_weights_through_the_engine_and_names_a_dead_replica(ray_c
         assert stats.bytes == sum(t.numel() * t.element_size() for _, t in named)
         after = [_generate(r).token_ids for r in manager.replicas]
         assert after[0] == after[1] and after[0] != before  # both replicas serve the new weights
+
+        def send(pairs):  # the trainer's half, reporting as the policy workers' send does
+            def call():
+                sent = _run(sync.send(engine, iter(pairs)))
+                return [{"tensors": float(sent.tensors), "bytes": float(sent.bytes), "seconds": sent.seconds}]
+
+            return call
+
+        # not waited for: the call returns once the replicas have read the weights; a failure to load
+        # them surfaces at the next wait
+        bad = [(n, t[:-1] if n == "model.norm.weight" else t) for n, t in named]
+        stats = manager.update_weights(send(bad), version=5, wait=False)
+        assert stats.tensors == len(named) and len(manager._loading) == 2
+        with pytest.raises(
+            RolloutReplicaError,
+            match=r"rollout replica 0 \(pid \d+\) failed during receive_weights: ValueError: update_weights: "
+            r"'model.norm.weight' has shape \(64,\), got \(63,\)",
+        ):
+            manager.wait_for_weights()
+        assert manager._loading == []
+        original = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).state_dict()
+        manager.update_weights(send(list(original.items())), version=6, wait=False)
+        manager.wait_for_weights()
+        assert [_generate(r).token_ids for r in manager.replicas] == [before, before]
+        assert ray.get([r.actor.weight_version.remote() for r in manager.replicas]) == [6, 6]
         engine.finalize()
 
         ray.kill(manager.replicas[1].actor)

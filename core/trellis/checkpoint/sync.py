@@ -167,7 +167,13 @@ class WeightSyncManager:
         return SyncStats(counted.tensors, counted.bytes, time.perf_counter() - start)
 
     async def receive(
-        self, engine: CheckpointEngine, replicas: Any, *, wake_up: bool = True, version: int | None = None
+        self,
+        engine: CheckpointEngine,
+        replicas: Any,
+        *,
+        wake_up: bool = True,
+        version: int | None = None,
+        staged: bool = False,
     ) -> SyncStats:
         """The rollout's half of one step: wake ``replicas`` up, load every bucket, resume them.
 
@@ -183,6 +189,12 @@ class WeightSyncManager:
             replicas: one :class:`~trellis.rollout.RolloutReplica` or a sequence of them.
             wake_up: await each replica's ``wake_up()`` first.
             version: the policy version the weights are (None: each replica counts one more).
+            staged: read every bucket before waiting for the hold, so the sender (which returns once
+                every receiver has read its buckets) never waits for generation in flight. Each
+                ``begin_weight_update`` still starts first (a replica stops admitting requests before
+                the sender is released, so a request sent after the sync gets the new weights); the
+                loading follows the hold. Costs one more copy of the weights, where the engine
+                delivers them, until they are loaded. The asynchronous trainer receives so.
         """
         replicas = _as_list(replicas)
         start = time.perf_counter()
@@ -190,16 +202,27 @@ class WeightSyncManager:
             await asyncio.gather(*(replica.wake_up() for replica in replicas))
         tensors = total = 0
         limit = self.bucket_bytes
-        await asyncio.gather(*(_hook(replica, "begin_weight_update") for replica in replicas))
+        holds = asyncio.gather(*(_hook(replica, "begin_weight_update") for replica in replicas))
         loaded = False
         try:
-            async with contextlib.aclosing(_group_by_bytes(engine.receive_weights(), limit)) as buckets:
+            staging: list[list[tuple[str, torch.Tensor]]] = []
+            if staged:
+                await asyncio.sleep(0)  # every begin runs to its first wait: admission is held from here
+                async with contextlib.aclosing(_group_by_bytes(engine.receive_weights(), limit)) as read:
+                    staging = [bucket async for bucket in read]
+            await holds
+            source = _replay(staging) if staged else _group_by_bytes(engine.receive_weights(), limit)
+            async with contextlib.aclosing(source) as buckets:
                 async for bucket in buckets:
                     await asyncio.gather(*(replica.update_weights(bucket) for replica in replicas))
                     tensors += len(bucket)
                     total += sum(t.numel() * t.element_size() for _, t in bucket)
             loaded = True
         finally:  # a failed load releases held generation too, its version unchanged
+            if not holds.done():  # the read failed while a hold waited: it never began
+                holds.cancel()
+            with contextlib.suppress(BaseException):
+                await holds
             await asyncio.gather(
                 *(
                     _hook(
@@ -305,6 +328,14 @@ def _as_list(replicas: Any) -> list[Any]:
     if isinstance(replicas, Sequence) and not isinstance(replicas, (str, bytes)):
         return list(replicas)
     return [replicas]
+
+
+async def _replay(
+    buckets: list[list[tuple[str, torch.Tensor]]],
+) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+    """``buckets`` read ahead (a staged receive), handed out one at a time, each dropped once handed."""
+    while buckets:
+        yield buckets.pop(0)
 
 
 async def _group_by_bytes(

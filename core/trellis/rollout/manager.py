@@ -103,6 +103,7 @@ class ReplicaManager:
         self._pool = pool
         self._local_sync: WeightSyncManager | None = None
         self._connected = False
+        self._loading: list[Any] = []  # receive_weights calls of an update that did not wait for them
 
     @property
     def world_size(self) -> int:
@@ -217,7 +218,11 @@ class ReplicaManager:
         self._connected = True
 
     def update_weights(
-        self, source: Iterable[tuple[str, Any]] | Callable[[], Any], *, version: int | None = None
+        self,
+        source: Iterable[tuple[str, Any]] | Callable[[], Any],
+        *,
+        version: int | None = None,
+        wait: bool = True,
     ) -> SyncStats:
         """Load new weights into every replica; what one replica loaded (tensors, bytes) and the seconds.
 
@@ -228,6 +233,14 @@ class ReplicaManager:
         all have loaded every bucket. A replica generates again only after its sync ends.
         ``version`` is the policy version of the new weights (None: each replica counts one more);
         tokens generated afterwards carry it.
+
+        ``wait=False`` (replicas in processes of their own; the asynchronous trainer): each replica
+        reads every bucket before it waits for its generation in flight (a staged receive), and this
+        returns once the trainer's ranks have sent, without waiting for the replicas to load. Requests
+        sent afterwards still get the new weights: each replica stops admitting before it reads. The
+        stats are then the trainer's send (``source()`` returns each rank's ``{"tensors", "bytes",
+        "seconds"}``). The next update and :meth:`wait_for_weights` wait for the loads and raise a
+        replica's failure to load; :meth:`shutdown` waits for them (up to a minute) without raising.
         """
         if not self.remote:
             if callable(source):
@@ -247,15 +260,35 @@ class ReplicaManager:
             raise RolloutReplicaError(
                 "update_weights: the checkpoint engine is not connected; call connect_weight_sync first."
             )
+        self.wait_for_weights()
         start = time.perf_counter()
-        refs = [r.actor.receive_weights.remote(version) for r in self.replicas]
-        source()
-        received = self._wait(refs, "receive_weights", START_TIMEOUT_S)
+        refs = [r.actor.receive_weights.remote(version, not wait) for r in self.replicas]
+        sent = source()
         for replica in self.replicas:
-            replica.asleep = False  # the receive woke it
+            replica.asleep = False  # the receive wakes it
             replica.weight_version = replica.weight_version + 1 if version is None else int(version)
-        first = received[0]
+        if not wait:
+            self._loading = refs
+            ranks = [r for r in (sent if isinstance(sent, list) else [sent]) if isinstance(r, dict)]
+            if not ranks:
+                raise TypeError(
+                    "update_weights(wait=False): the send callable must return each trainer rank's "
+                    f"{{'tensors', 'bytes', 'seconds'}} (the stats it reports), got {sent!r}."
+                )
+            first = max(ranks, key=lambda r: float(r.get("bytes", 0.0)))
+            return SyncStats(int(first.get("tensors", 0)), int(first["bytes"]), time.perf_counter() - start)
+        first = self._wait(refs, "receive_weights", START_TIMEOUT_S)[0]
         return SyncStats(int(first["tensors"]), int(first["bytes"]), time.perf_counter() - start)
+
+    def wait_for_weights(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until every replica has loaded the last update that did not wait (``wait=False``).
+
+        Raises:
+            RolloutReplicaError: a replica failed to load it, or did not within ``timeout_s`` (named).
+        """
+        loading, self._loading = self._loading, []
+        if loading:
+            self._wait(loading, "receive_weights", timeout_s)
 
     # ---------------------------------------------------------------- health and shutdown
 
@@ -281,6 +314,9 @@ class ReplicaManager:
         from trellis.distributed.ray import import_ray
 
         ray = import_ray()
+        loading, self._loading = self._loading, []  # let a load not waited for end first (its errors moot)
+        if loading:
+            ray.wait(loading, num_returns=len(loading), timeout=60)
         refs = [r.actor.shutdown.remote() for r in self.replicas]
         ray.wait(refs, num_returns=len(refs), timeout=60)
         for replica in self.replicas:

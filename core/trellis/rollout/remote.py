@@ -124,10 +124,11 @@ class ReplicaActor:
             raise
         self._engine = engine
 
-    async def receive_weights(self, version: int | None = None) -> dict[str, float]:
+    async def receive_weights(self, version: int | None = None, staged: bool = False) -> dict[str, float]:
         """The receiving half of one weight sync: wake the replica, load every bucket (policy version
         ``version``), resume it. Generation in flight waits, or with ``rollout.partial_rollout`` is
-        interrupted and resumed with the new weights.
+        interrupted and resumed with the new weights. ``staged``: read every bucket before that wait
+        (:meth:`~trellis.checkpoint.sync.WeightSyncManager.receive`), so the sender is released first.
 
         Returns ``{"tensors", "bytes", "seconds"}`` as loaded.
         """
@@ -136,7 +137,7 @@ class ReplicaActor:
                 f"rollout replica {self.replica_rank}: receive_weights before connect_weight_sync; the "
                 "replica manager connects the checkpoint engine first."
             )
-        stats = await self._sync.receive(self._engine, [self.replica], version=version)
+        stats = await self._sync.receive(self._engine, [self.replica], version=version, staged=staged)
         return {"tensors": float(stats.tensors), "bytes": float(stats.bytes), "seconds": stats.seconds}
 
     async def shutdown(self) -> None:

@@ -551,8 +551,8 @@ class Trainer:
             batch = concat_rollouts(groups)  # the stream took each group's agent metrics into its own
             metrics.update(stream_metrics)
             batch = self.train_batch(batch, None, metrics, timings)
-            with self._stage("weight_sync", timings):
-                metrics.update(self.sync_weights())
+            with self._stage("weight_sync", timings):  # the replicas load it while this step ends
+                metrics.update(self.sync_weights(wait=False))
             stream.set_version(self.step)
         return self._step_metrics(batch, metrics, timings, waited=timings["wait_rollout"], idle_measured=True)
 
@@ -713,17 +713,23 @@ class Trainer:
             return self.agent_workers.generate_sequences(prompts)
         return self.actor_wg.generate_sequences(prompts)
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, wait: bool = True) -> dict[str, float]:
         """The weight-sync stage: the actor's weights into every replica that keeps its own copy.
 
         Standalone replicas receive while the policy workers send (through ``rollout.checkpoint_engine``),
         as policy version ``self.step`` (the steps trained; their tokens carry it); other replicas are
         loaded by their own worker. Returns ``weight_sync/megabytes`` (what one replica received) and
         ``weight_sync/mb_per_s`` (over the stage's wall time).
+
+        ``wait=False`` (the async trainer, standalone replicas): the stage ends once the replicas have
+        read the weights, not loaded them (``ReplicaManager.update_weights``): a replica finishing rows
+        in flight never holds the trainer; requests sent after the stage get the new weights.
         """
         if self.replicas is not None:
             version = int(getattr(self, "step", 0))
-            stats = self.replicas.update_weights(self.actor_wg.send_rollout_weights, version=version)
+            stats = self.replicas.update_weights(
+                self.actor_wg.send_rollout_weights, version=version, wait=wait
+            )
             sent, seconds = float(stats.bytes), stats.seconds
         else:
             ranks = self.actor_wg.sync_rollout_weights()

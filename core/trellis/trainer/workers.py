@@ -253,13 +253,13 @@ class ActorRolloutRefWorker(_Role):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def send_rollout_weights(self) -> dict[str, float]:
         """The sending half of one sync to the standalone replicas: every rank gathers the full weights
-        (fsdp), rank 0 streams them through the engine; ``{"bytes", "seconds"}``."""
+        (fsdp), rank 0 streams them through the engine; ``{"tensors", "bytes", "seconds"}``."""
         if self._weight_sync is None or self._sync_engine is None:
             raise RuntimeError(
                 "send_rollout_weights before connect_rollout_sync; the trainer connects first."
             )
         stats = asyncio.run(self._weight_sync.send(self._sync_engine, self.actor.iter_full_params()))
-        return {"bytes": float(stats.bytes), "seconds": stats.seconds}
+        return {"tensors": float(stats.tensors), "bytes": float(stats.bytes), "seconds": stats.seconds}
 
     def _sleeps_between_rollouts(self) -> bool:
         """Whether the replica releases memory while training runs (own weights and free_cache_engine)."""
