@@ -100,10 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--no-smollm2", action="store_true")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"a comma-separated subset of {list(MODES)}")
     parser.add_argument(
         "--max-response-length", type=int, default=None, help="instead of 64 (tiny) / 48 (smollm2)"
     )
     args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or modes[0] != "sync" or any(m not in MODES for m in modes):
+        parser.error(f"--modes {args.modes!r}: start with sync (the baseline), then modes of {list(MODES)}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import ray
     from _common import smollm2_or_note
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     root = tempfile.mkdtemp(prefix="trellis-async-bench-")
     models = [m for m in args.models.split(",") if m]
+
     path, note = smollm2_or_note(args.no_smollm2 or "smollm2" not in models)
     try:
         for name in models:
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(header)
             baseline = None
-            for mode in MODES:
+            for mode in modes:
                 r = run(name, mode, args.steps, root, path, args.max_response_length)
                 baseline = baseline or r
                 ratio = r["samples_per_s"] / baseline["samples_per_s"]
