@@ -146,6 +146,26 @@ def test_async_wires_its_pool_replay_and_staleness_knobs(tmp_path):
     assert result.history[-1]["async/dropped_groups_total"] > 0
 
 
+class PendingAtValidation(Recording):
+    """Records how many replica loads were pending when each validation began, and after it."""
+
+    def _validate(self, result, hooks, log=True):
+        before = len(self.replicas._loading)
+        metrics = super()._validate(result, hooks, log)
+        self.pending = [*getattr(self, "pending", []), (before, len(self.replicas._loading))]
+        return metrics
+
+
+def test_async_steps_do_not_wait_for_the_load_and_validation_does(tmp_path):
+    trainer, result = train(
+        tmp_path, "pending", "trainer.mode=async", "trainer.test_freq=2", cls=PendingAtValidation
+    )
+    # steps 2 and 3 validate: each step's sync returned with the replica's load pending, and the
+    # validation waited for it before generating
+    assert trainer.pending == [(1, 0), (1, 0)]
+    assert [step for step, _ in result.validation] == [2, 3]
+
+
 def test_decoupled_objective_weights_tokens_by_proximal_over_behaviour(tmp_path):
     common = ["trainer.mode=async", "rollout.max_staleness=1", "rollout.calculate_log_probs=true"]
     trainer, result = train(tmp_path, "decoupled", *common, "algorithm.off_policy=decoupled")

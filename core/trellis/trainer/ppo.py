@@ -370,6 +370,8 @@ class Trainer:
                         path = self._save_checkpoint()
                     result.last_checkpoint = path
                     hooks.trellis_checkpoint_saved(step=self.step, path=path)
+            if getattr(self, "replicas", None) is not None:
+                self.replicas.wait_for_weights()  # the last async step's load: its failure is the run's
         except KeyboardInterrupt:
             if self._stall is None:
                 raise
@@ -847,6 +849,8 @@ class Trainer:
         val_set = self.val_set
         if val_set is None:
             raise RuntimeError("_validate: this run has no validation data (data.val_files is empty).")
+        if getattr(self, "replicas", None) is not None:  # async steps leave the replicas' loads pending
+            self.replicas.wait_for_weights()  # a failed load raises here, not as a wrong score
         n = cfg.rollout.val_kwargs.n
         size = cfg.data.val_batch_size or len(val_set)
         scores, groups, lengths = [], [], []
