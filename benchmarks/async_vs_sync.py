@@ -117,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     root = tempfile.mkdtemp(prefix="trellis-async-bench-")
     models = [m for m in args.models.split(",") if m]
-
     path, note = smollm2_or_note(args.no_smollm2 or "smollm2" not in models)
     try:
         for name in models:

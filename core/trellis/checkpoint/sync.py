@@ -205,13 +205,12 @@ class WeightSyncManager:
         holds = asyncio.gather(*(_hook(replica, "begin_weight_update") for replica in replicas))
         loaded = False
         try:
-            staging: list[list[tuple[str, torch.Tensor]]] = []
-            if staged:
+            source = _group_by_bytes(engine.receive_weights(), limit)
+            if staged:  # read every bucket now (the sender is released), load them after the hold
                 await asyncio.sleep(0)  # every begin runs to its first wait: admission is held from here
-                async with contextlib.aclosing(_group_by_bytes(engine.receive_weights(), limit)) as read:
-                    staging = [bucket async for bucket in read]
+                async with contextlib.aclosing(source) as read:
+                    source = _replay([bucket async for bucket in read])
             await holds
-            source = _replay(staging) if staged else _group_by_bytes(engine.receive_weights(), limit)
             async with contextlib.aclosing(source) as buckets:
                 async for bucket in buckets:
                     await asyncio.gather(*(replica.update_weights(bucket) for replica in replicas))

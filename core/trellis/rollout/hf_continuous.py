@@ -426,20 +426,19 @@ class ContinuousDecoder:
 
         self.rule = None
         gone = set(done)
-        keep_list = [i for i in range(len(self.rows)) if i not in gone]
-        self.rows = [self.rows[i] for i in keep_list]
-        if not self.rows:
+        order = [i for i in range(len(self.rows)) if i not in gone]  # the old index of each row kept
+        if not order:
+            self.rows = []
             self.cache = self.mask = self.uniforms = self.positions = self.last = None
             return
-        keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
+        keep = torch.tensor(order, dtype=torch.long, device=self.device)
         lead = int(self.mask[keep].any(0).int().argmax())  # first column some row still uses
         if isinstance(self.cache, KVBuffers):  # in place: only rows moving into freed slots are copied
-            order = self.cache.retire(keep_list, lead)
-            position = {old: new for new, old in enumerate(keep_list)}
-            self.rows = [self.rows[position[i]] for i in order]
+            order = self.cache.retire(order, lead)  # which reorders the rows
             keep = torch.tensor(order, dtype=torch.long, device=self.device)
         else:
             self._store([(k[keep, :, lead:], v[keep, :, lead:]) for k, v in _pairs(self.cache)], 0)
+        self.rows = [self.rows[i] for i in order]
         self.mask = self.mask[keep][:, lead:]
         self.positions = self.positions[keep]
         self.last = self.last[keep]

@@ -308,8 +308,8 @@ class LeanDecoder:
         if copy is None or (self.layout == "transposed" and flat.shape[0] < TRANSPOSE_MIN_ROWS):
             return F.linear(x, module.weight, module.bias)
         if self.layout == "packed":
-            out = torch.ops.mkldnn._linear_pointwise(flat, copy, module.bias, "none", [], "")
-        elif module.bias is None:
+            return self._packed(x, copy, module.bias)
+        if module.bias is None:
             out = torch.mm(flat, copy)
         else:
             out = torch.addmm(module.bias, flat, copy)
@@ -318,15 +318,20 @@ class LeanDecoder:
     def _project(self, x: Any, parent: Any, names: tuple[str, ...]) -> list[Any]:
         """``parent``'s projections ``names`` of ``x``: one multiply by their joined copy where there is
         one (its output split back), else one each."""
-        import torch
 
         joined = self._joined.get((id(parent), names[0]))
         if joined is None:
             return [self._linear(x, getattr(parent, n)) for n in names]
         packed, bias, sizes = joined
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-        return [part.view(*x.shape[:-1], part.shape[-1]) for part in out.split(sizes, dim=-1)]
+        return list(self._packed(x, packed, bias).split(sizes, dim=-1))
+
+    @staticmethod
+    def _packed(x: Any, packed: Any, bias: Any) -> Any:
+        """``x`` (any leading shape) times the weight oneDNN packed as ``packed``, plus ``bias``."""
+        import torch
+
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def _norm(x: Any, norm: Any) -> Any:
