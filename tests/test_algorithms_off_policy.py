@@ -1,4 +1,4 @@
-"""The decoupled off-policy weights (``algorithm.off_policy: decoupled``)."""
+"""The off-policy objectives' helpers (``algorithm.off_policy: decoupled | behaviour``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trellis.algorithms.off_policy import decoupled_weights
+from trellis.algorithms.off_policy import behaviour_log_probs, decoupled_weights
 
 
 @pytest.fixture(autouse=True)
@@ -40,3 +40,15 @@ def test_weights_carry_no_gradient_and_shapes_must_match():
     assert not weights.requires_grad and torch.equal(weights, torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"shapes differ: proximal \(2, 3\), behaviour \(2, 4\)"):
         decoupled_weights(prox, torch.zeros(2, 4), torch.ones(2, 3), cap=2.0)
+
+
+def test_behaviour_log_probs_are_the_rollouts_detached_or_a_clear_error():
+    behaviour = torch.tensor([[-0.5, -1.5], [-2.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    old = behaviour_log_probs({"rollout_log_probs": behaviour, "response_mask": mask})
+    assert old.dtype == torch.float32 and not old.requires_grad
+    torch.testing.assert_close(old, behaviour.detach().float())
+    with pytest.raises(ValueError, match=r"off_policy=behaviour: the rollout has no rollout_log_probs"):
+        behaviour_log_probs({"response_mask": mask})
+    with pytest.raises(ValueError, match=r"rollout_log_probs has shape \(2, 3\), the responses \(2, 2\)"):
+        behaviour_log_probs({"rollout_log_probs": torch.zeros(2, 3), "response_mask": mask})

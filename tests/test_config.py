@@ -930,6 +930,19 @@ def test_overlapping_modes_derive_and_check_their_settings():
         "algorithm.rollout_correction.rollout_is=token",
     )
     assert "algorithm.rollout_correction.rollout_is" in message
+    message = refused("algorithm.off_policy=behaviour")
+    assert "rollout.calculate_log_probs" in message and "'behaviour'" in message
+    behaviour = ["algorithm.off_policy=behaviour", "rollout.calculate_log_probs=true"]
+    message = refused(
+        *behaviour,
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=2",
+    )
+    assert "algorithm.rollout_correction.rollout_rs" in message and "is 1 on every token" in message
+    assert "rollout_correction.rollout_is" in refused(
+        *behaviour, "algorithm.rollout_correction.rollout_is=token"
+    )
+    load_config(overrides=behaviour)  # accepted
     assert "ge" in refused("rollout.max_staleness=-1") or "-1" in refused("rollout.max_staleness=-1")
     assert "drop" in refused("rollout.stale_policy=sometimes")
     assert "sync" in refused("trainer.mode=eventually")

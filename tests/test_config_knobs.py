@@ -404,6 +404,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
     ),
     "algorithm.off_policy": (
         DECOUPLED,
+        ASYNC + "test_behaviour_objective_takes_the_replicas_log_probs_as_the_old_ones",
         "tests/test_algorithms_off_policy.py::test_weights_are_proximal_over_behaviour_zero_off_the_mask_and_above_the_cap",
         OVERLAP_CONFIG,
     ),

@@ -182,6 +182,31 @@ def test_decoupled_objective_weights_tokens_by_proximal_over_behaviour(tmp_path)
         assert metrics["off_policy/capped_fraction"] == 1.0 and metrics["off_policy/is_weight/mean"] == 0.0
 
 
+class OldLogProbs(Recording):
+    """Records, at each step's advantage stage, whether the batch's old log-probs are its behaviour's."""
+
+    def compute_advantages(self, batch):
+        b = batch.tensors
+        old = b.get("old_log_probs")
+        same = old is not None and torch.equal(old, b["rollout_log_probs"].float())
+        self.old_is_behaviour = [*getattr(self, "old_is_behaviour", []), None if old is None else same]
+        return super().compute_advantages(batch)
+
+
+def test_behaviour_objective_takes_the_replicas_log_probs_as_the_old_ones(tmp_path):
+    common = ["trainer.mode=async", "rollout.max_staleness=1", "rollout.calculate_log_probs=true"]
+    trainer, result = train(tmp_path, "behaviour", *common, "algorithm.off_policy=behaviour", cls=OldLogProbs)
+    assert not trainer.recompute_old_log_probs
+    assert trainer.old_is_behaviour == [True] * STEPS  # no forward pass: the replica's, as they came
+    assert all("timing/old_log_prob" not in m for m in result.history)
+    lagging = [m for m in result.history if m["async/staleness/max"] > 0]
+    # the PPO ratio is π / π_behaviour: a lagging sample's tokens moved since the replica sampled them
+    assert lagging and all(m["actor/ppo_kl"] != 0.0 for m in lagging)
+    plain, none = train(tmp_path, "none", *common, cls=OldLogProbs)
+    assert plain.old_is_behaviour == [None] * STEPS  # on-policy config: the loss's own log-probs
+    assert all(m["actor/ppo_kl"] == 0.0 for m in none.history)
+
+
 class _Replicas:
     world_size = 1
 

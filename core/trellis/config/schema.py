@@ -1096,13 +1096,15 @@ class AlgorithmConfig(BaseConfig):
     rollout_correction: RolloutCorrectionConfig = section(
         RolloutCorrectionConfig, "Correction for rollout/trainer log-prob mismatch."
     )
-    off_policy: Literal["none", "decoupled"] = knob(
+    off_policy: Literal["none", "decoupled", "behaviour"] = knob(
         "none",
         "none: a stale sample is trained as if the current weights generated it (rollout_correction may "
         "still weight it). decoupled: the proximal policy is the weights at the start of the step (the "
         "clip is around it; old log-probs are always recomputed) and each token is weighted by "
-        "π_prox / π_behaviour, the behaviour being the weights that generated it (needs "
-        "rollout.calculate_log_probs).",
+        "π_prox / π_behaviour, the behaviour being the weights that generated it. behaviour: the old "
+        "log-probs are the replica's, so the PPO ratio is π / π_behaviour and its clip bounds the step "
+        "from the weights that generated each token; no old-log-prob forward pass (verl's bypass mode). "
+        "decoupled and behaviour need rollout.calculate_log_probs.",
     )
     off_policy_cap: float | None = knob(
         5.0,
@@ -1419,21 +1421,29 @@ class TrellisConfig(BaseConfig):
             )
         if trainer.replay_capacity is None:
             trainer.replay_capacity = (rollout.max_staleness + 2) * data.train_batch_size
-        if algorithm.off_policy == "decoupled":
-            if not rollout.calculate_log_probs:
-                raise ConfigValueError(
-                    "rollout.calculate_log_probs",
-                    False,
-                    "must be true when algorithm.off_policy is 'decoupled': the behaviour policy's "
-                    "log-probs come from the replica",
-                )
-            if algorithm.rollout_correction.rollout_is is not None:
-                raise ConfigValueError(
-                    "algorithm.rollout_correction.rollout_is",
-                    algorithm.rollout_correction.rollout_is,
-                    "must be null when algorithm.off_policy is 'decoupled', which already weights each "
-                    "token by π_prox / π_behaviour",
-                )
+        if algorithm.off_policy != "none" and not rollout.calculate_log_probs:
+            raise ConfigValueError(
+                "rollout.calculate_log_probs",
+                False,
+                f"must be true when algorithm.off_policy is {algorithm.off_policy!r}: the behaviour "
+                "policy's log-probs come from the replica",
+            )
+        if algorithm.off_policy == "decoupled" and algorithm.rollout_correction.rollout_is is not None:
+            raise ConfigValueError(
+                "algorithm.rollout_correction.rollout_is",
+                algorithm.rollout_correction.rollout_is,
+                "must be null when algorithm.off_policy is 'decoupled', which already weights each "
+                "token by π_prox / π_behaviour",
+            )
+        if algorithm.off_policy == "behaviour" and algorithm.rollout_correction.enabled:
+            part = "rollout_is" if algorithm.rollout_correction.rollout_is is not None else "rollout_rs"
+            raise ConfigValueError(
+                f"algorithm.rollout_correction.{part}",
+                algorithm.rollout_correction[part],
+                "must be null when algorithm.off_policy is 'behaviour': the old log-probs are then the "
+                "rollout's own, so π_old / π_rollout is 1 on every token and the correction would do "
+                "nothing; use algorithm.off_policy=decoupled to correct against recomputed log-probs",
+            )
         correction = algorithm.rollout_correction
         if correction.enabled and not rollout.calculate_log_probs:
             part = "rollout_is" if correction.rollout_is is not None else "rollout_rs"

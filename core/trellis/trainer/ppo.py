@@ -32,6 +32,7 @@ import torch
 from trellis.algorithms import objective
 from trellis.algorithms.kl import get_kl_controller, kl_penalty
 from trellis.algorithms.masked import masked_mean
+from trellis.algorithms.off_policy import behaviour_log_probs
 from trellis.data.protocol import DataProto
 from trellis.device.cpu import set_flush_denormal
 from trellis.errors import TrellisError
@@ -133,10 +134,14 @@ class Trainer:
 
         self.needs = resolve_needs(config)
         """What the estimator and the policy loss declare they need (critic.enable, ref.enable follow)."""
-        self.recompute_old_log_probs = not on_policy(config, self.needs)
+        self.behaviour_old_log_probs = config.algorithm.off_policy == "behaviour"
+        """``algorithm.off_policy: behaviour``: the old log-probs are the replica's (``rollout_log_probs``),
+        never recomputed."""
+        self.recompute_old_log_probs = not self.behaviour_old_log_probs and not on_policy(config, self.needs)
         """False when the update is one gradient step on the whole batch: the old policy is then the
         current one, the actor loss uses its own log-probs (detached) as the old ones, and the extra
-        forward pass is skipped (as TRL does). Set True to always recompute them."""
+        forward pass is skipped (as TRL does); and with the behaviour's log-probs as the old ones. Set
+        True to recompute them every step (``behaviour`` still takes the replica's)."""
 
     # ------------------------------------------------------------------ setup
 
@@ -657,7 +662,9 @@ class Trainer:
         batch = _pad_to_multiple(batch, self.world_size)
         # a batch with more rows than one mini-batch (agent loops that split a prompt into several samples)
         # takes several optimizer steps, so even an on-policy config needs the old log-probs then
-        if self.recompute_old_log_probs or len(batch) > cfg.actor.ppo_mini_batch_size * cfg.rollout.n:
+        if self.behaviour_old_log_probs:
+            batch.tensors["old_log_probs"] = behaviour_log_probs(batch.tensors)
+        elif self.recompute_old_log_probs or len(batch) > cfg.actor.ppo_mini_batch_size * cfg.rollout.n:
             with self._stage("old_log_prob", timings):
                 batch = batch.union(self.actor_wg.compute_log_prob(batch))
             entropy = masked_mean(batch.tensors["entropys"], batch.tensors["response_mask"].float())
