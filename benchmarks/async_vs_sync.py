@@ -9,7 +9,9 @@ batch generates while this one trains) and ``async`` with ``rollout.max_stalenes
 generates prompt groups continuously into the replay pool; each step trains as soon as its groups
 are ready), and ``async_partial``, the same with ``rollout.partial_rollout=true`` (a weight sync
 interrupts the rows in flight after their current token instead of waiting for them to finish; they
-resume under the new weights). Response lengths have a long tail: ``max_response_length`` is raised
+resume under the new weights), and ``async_behaviour``, async with ``algorithm.off_policy=behaviour``
+(the replica's log-probs as the old ones: the PPO clip around the weights that generated each token).
+Response lengths have a long tail: ``max_response_length`` is raised
 well above what most answers need, so a few responses per batch run to the limit while most stop
 early (the tiny model's eos is rare; SmolLM2 answers the arithmetic task in a few tokens but
 sometimes rambles).
@@ -40,6 +42,12 @@ MODES = {
     "one_step_off": ["trainer.mode=one_step_off"],
     "async": ["trainer.mode=async", "rollout.max_staleness=2"],
     "async_partial": ["trainer.mode=async", "rollout.max_staleness=2", "rollout.partial_rollout=true"],
+    "async_behaviour": [
+        "trainer.mode=async",
+        "rollout.max_staleness=2",
+        "rollout.calculate_log_probs=true",
+        "algorithm.off_policy=behaviour",
+    ],
 }
 
 
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 "process, 1 thread each"
             )
             header = (
-                f"{'mode':<13}{'samples/s':>10}{'vs sync':>9}{'trainer idle':>14}{'replica idle':>14}"
+                f"{'mode':<16}{'samples/s':>10}{'vs sync':>9}{'trainer idle':>14}{'replica idle':>14}"
                 f"{'staleness':>11}{'resp len':>10}{'wall s':>8}{'held-out':>10}"
             )
             print(header)
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 baseline = baseline or r
                 ratio = r["samples_per_s"] / baseline["samples_per_s"]
                 print(
-                    f"{mode:<13}{r['samples_per_s']:>10.1f}{ratio:>8.2f}x"
+                    f"{mode:<16}{r['samples_per_s']:>10.1f}{ratio:>8.2f}x"
                     f"{r['trainer_idle']:>14.2f}{r['rollout_idle']:>14.2f}{r['staleness']:>11.2f}"
                     f"{r['response_length']:>10.1f}{r['wall']:>8.1f}{r['heldout']:>10.3f}",
                     flush=True,
