@@ -42,7 +42,8 @@ def behaviour_log_probs(tensors: Any) -> torch.Tensor:
             "log-probs, the old ones in this mode); the replica returned none although "
             "rollout.calculate_log_probs is on. Use a replica that returns them, or off_policy=none."
         )
-    behaviour, mask = tensors["rollout_log_probs"], tensors["response_mask"]
+    behaviour: torch.Tensor = tensors["rollout_log_probs"]
+    mask: torch.Tensor = tensors["response_mask"]
     if behaviour.shape != mask.shape:
         raise ValueError(
             f"algorithm.off_policy=behaviour: rollout_log_probs has shape {tuple(behaviour.shape)}, the "
