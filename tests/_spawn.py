@@ -58,9 +58,13 @@ def run_ranks(
     procs: list[subprocess.Popen] = []
     try:
         for rank in range(world):
+            # a rank that returned leaves at once (os._exit, after flushing its output): interpreter
+            # finalisation could still run the destructor of a gloo thread that is joinable while its
+            # peer tears the group down, and abort the rank (exit -6, "terminate called without an
+            # active exception") after its work had succeeded
             code = (
-                f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import {module} as t; "
-                f"t.{func}({rank}, {port}, {literals})"
+                f"import os, sys; sys.path.insert(0, {TESTS_DIR!r}); import {module} as t; "
+                f"t.{func}({rank}, {port}, {literals}); sys.stdout.flush(); sys.stderr.flush(); os._exit(0)"
             )
             procs.append(
                 subprocess.Popen(
@@ -81,7 +85,8 @@ def run_ranks(
 @contextlib.contextmanager
 def init_gloo(rank: int, port: int, world: int, timeout_s: float) -> Iterator[None]:
     """Inside a worker: one torch thread and the gloo group of ``world`` ranks on ``port``, destroyed
-    on exit. ``timeout_s`` bounds each collective, so a rank whose peer died fails instead of hanging."""
+    on exit after a barrier when the body succeeded. ``timeout_s`` bounds each collective (the barrier
+    too), so a rank whose peer died fails instead of hanging."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -94,6 +99,7 @@ def init_gloo(rank: int, port: int, world: int, timeout_s: float) -> Iterator[No
     )
     try:
         yield
+        dist.barrier()  # the ranks leave together: none tears its connections down under a peer's last call
     finally:
         dist.destroy_process_group()
 
