@@ -1435,18 +1435,17 @@ class TrellisConfig(BaseConfig):
                 "must be null when algorithm.off_policy is 'decoupled', which already weights each "
                 "token by π_prox / π_behaviour",
             )
-        if algorithm.off_policy == "behaviour" and algorithm.rollout_correction.enabled:
-            part = "rollout_is" if algorithm.rollout_correction.rollout_is is not None else "rollout_rs"
+        correction = algorithm.rollout_correction
+        part = "rollout_is" if correction.rollout_is is not None else "rollout_rs"  # the one that is on
+        if algorithm.off_policy == "behaviour" and correction.enabled:
             raise ConfigValueError(
                 f"algorithm.rollout_correction.{part}",
-                algorithm.rollout_correction[part],
+                correction[part],
                 "must be null when algorithm.off_policy is 'behaviour': the old log-probs are then the "
                 "rollout's own, so π_old / π_rollout is 1 on every token and the correction would do "
                 "nothing; use algorithm.off_policy=decoupled to correct against recomputed log-probs",
             )
-        correction = algorithm.rollout_correction
         if correction.enabled and not rollout.calculate_log_probs:
-            part = "rollout_is" if correction.rollout_is is not None else "rollout_rs"
             raise ConfigValueError(
                 "rollout.calculate_log_probs",
                 False,
