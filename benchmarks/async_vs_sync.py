@@ -1,6 +1,6 @@
 """Asynchronous against synchronous training: trained samples per second, idle fractions, held-out reward.
 
-    python benchmarks/async_vs_sync.py [--steps 10] [--no-smollm2] [--models tiny,smollm2]
+    python benchmarks/async_vs_sync.py [--steps 10] [--no-smollm2] [--models tiny,smollm2] [--seeds 1,2,3]
 
 Each mode trains the same prompts with the same model and seed on the same cores: one process
 generates (a standalone ``hf`` replica, a Ray actor with one torch thread) and one trains (the
@@ -22,6 +22,11 @@ overlapping modes waits for the first batch like sync does), the ratio to sync (
 nothing to generate, the mean staleness, the wall time of the N steps, and the held-out reward after
 N steps (``val/reward/mean``; target: within 3 points of sync). This is a measurement, never a
 pass/fail test.
+
+One run per mode moves the held-out reward by more than 3 points, so ``--seeds`` repeats every mode
+at each ``trainer.seed`` given (data order, sampling and initial state all follow it) and ends with a
+summary per mode: the mean ratio to sync over the seeds, the mean held-out reward and its spread, and
+the held-out difference to sync at the same seed (mean, lowest, highest), in points.
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ def model_overrides(name: str, path: str | None, length: int | None) -> list[str
     return [*overrides, f"model.path={path}", f"data.max_response_length={length}"]
 
 
-def run(name: str, mode: str, steps: int, root: str, path: str | None, length: int | None) -> dict[str, Any]:
+def run(
+    name: str, mode: str, steps: int, root: str, path: str | None, length: int | None, seed: int | None = None
+) -> dict[str, Any]:
     from trellis.config import load_config
     from trellis.trainer.ppo import Trainer
 
@@ -75,6 +82,7 @@ def run(name: str, mode: str, steps: int, root: str, path: str | None, length: i
         overrides=[
             *model_overrides(name, path, length),
             *MODES[mode],
+            *([f"trainer.seed={seed}"] if seed is not None else []),
             "rollout.mode=standalone",
             f"trainer.run_dir={run_dir}",
             "trainer.trackers=[]",
@@ -103,6 +111,25 @@ def run(name: str, mode: str, steps: int, root: str, path: str | None, length: i
     }
 
 
+def print_summary(results: dict[str, list[dict[str, Any]]], seeds: list[int | None]) -> None:
+    """Per mode over the seeds: the mean ratio to sync, the held-out reward (mean and spread) and its
+    difference to sync at the same seed, in points (mean, lowest, highest)."""
+    print(f"\nover seeds {', '.join(str(s) for s in seeds)}:")
+    print(
+        f"{'mode':<16}{'vs sync':>9}{'held-out mean':>15}{'sd':>7}{'vs sync, points: mean':>23}"
+        f"{'lowest':>8}{'highest':>9}"
+    )
+    for mode, rows in results.items():
+        heldout = [r["heldout"] for r in rows]
+        diffs = [r["heldout_diff"] for r in rows]
+        print(
+            f"{mode:<16}{statistics.mean(r['ratio'] for r in rows):>8.2f}x{statistics.mean(heldout):>15.3f}"
+            f"{statistics.stdev(heldout):>7.3f}{statistics.mean(diffs):>+23.1f}{min(diffs):>+8.1f}"
+            f"{max(diffs):>+9.1f}",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -112,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-response-length", type=int, default=None, help="instead of 64 (tiny) / 48 (smollm2)"
     )
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated trainer.seed values: every mode at each, then a summary",
+    )
     args = parser.parse_args(argv)
+    seeds: list[int | None] = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [None]
     modes = [m for m in args.modes.split(",") if m]
     if not modes or modes[0] != "sync" or any(m not in MODES for m in modes):
         parser.error(f"--modes {args.modes!r}: start with sync (the baseline), then modes of {list(MODES)}")
@@ -137,21 +170,29 @@ def main(argv: list[str] | None = None) -> int:
                 "process, 1 thread each"
             )
             header = (
-                f"{'mode':<16}{'samples/s':>10}{'vs sync':>9}{'trainer idle':>14}{'replica idle':>14}"
+                ("seed  " if seeds != [None] else "")
+                + f"{'mode':<16}{'samples/s':>10}{'vs sync':>9}{'trainer idle':>14}{'replica idle':>14}"
                 f"{'staleness':>11}{'resp len':>10}{'wall s':>8}{'held-out':>10}"
             )
             print(header)
-            baseline = None
-            for mode in modes:
-                r = run(name, mode, args.steps, root, path, args.max_response_length)
-                baseline = baseline or r
-                ratio = r["samples_per_s"] / baseline["samples_per_s"]
-                print(
-                    f"{mode:<16}{r['samples_per_s']:>10.1f}{ratio:>8.2f}x"
-                    f"{r['trainer_idle']:>14.2f}{r['rollout_idle']:>14.2f}{r['staleness']:>11.2f}"
-                    f"{r['response_length']:>10.1f}{r['wall']:>8.1f}{r['heldout']:>10.3f}",
-                    flush=True,
-                )
+            results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+            for seed in seeds:
+                baseline = None
+                for mode in modes:
+                    r = run(name, mode, args.steps, root, path, args.max_response_length, seed)
+                    baseline = baseline or r
+                    r["ratio"] = r["samples_per_s"] / baseline["samples_per_s"]
+                    r["heldout_diff"] = 100 * (r["heldout"] - baseline["heldout"])
+                    results[mode].append(r)
+                    print(
+                        (f"{seed:>4}  " if seed is not None else "")
+                        + f"{mode:<16}{r['samples_per_s']:>10.1f}{r['ratio']:>8.2f}x"
+                        f"{r['trainer_idle']:>14.2f}{r['rollout_idle']:>14.2f}{r['staleness']:>11.2f}"
+                        f"{r['response_length']:>10.1f}{r['wall']:>8.1f}{r['heldout']:>10.3f}",
+                        flush=True,
+                    )
+            if len(seeds) > 1:
+                print_summary(results, seeds)
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)
