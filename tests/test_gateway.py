@@ -153,6 +153,12 @@ def test_completions_with_logprobs_seed_and_n(served):
     session = running.gateway.close_session("completions")
     assert len(session.samples()) == 5  # 1 + 2 + 2: none extended another
     assert all(len(t.response_ids) in (5, 6) for t in session.samples())
+    # the two later calls started over; their second choices are siblings, not rewrites
+    assert session.metrics["gateway/rewritten_history"] == 2 and session.metrics["gateway/calls"] == 5
+    first = client(running, "n-first").completions.create(model="tiny", prompt=ids, max_tokens=3, n=3)
+    assert len(first.choices) == 3
+    fresh = running.gateway.close_session("n-first")
+    assert len(fresh.samples()) == 3 and fresh.metrics["gateway/rewritten_history"] == 0
 
 
 @pytest.mark.parametrize(

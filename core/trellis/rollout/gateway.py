@@ -49,8 +49,9 @@ their prompts), and :meth:`Trajectory.to_output` hands them, with the processor'
 ``multi_modal_inputs`` for them, to training. Without a processor a request with an image gets a 400
 (param ``messages``); an image that cannot be read gets a 400 naming its message and part.
 
-Streaming returns the finished completion as server-sent chunks (one per token, then the
-``finish_reason``), since replicas return whole responses.
+Streaming returns the finished completion as server-sent chunks, since replicas return whole
+responses: per choice, the role, the whole content in one chunk, each tool call, then the
+``finish_reason`` (and the usage chunk when ``stream_options.include_usage`` asks).
 """
 
 from __future__ import annotations
@@ -281,13 +282,16 @@ class Session:
         out: TokenOutput,
         multi_modal_data: dict[str, list[Any]] | None = None,
         processor: Any = None,
+        *,
+        sibling: bool = False,
     ) -> Trajectory:
         """Capture one completion of ``prompt_ids`` (continuing ``base`` when given); ``multi_modal_data``:
-        the prompt's images, with the ``processor`` that tokenized them."""
+        the prompt's images, with the ``processor`` that tokenized them. ``sibling``: another choice of a
+        call whose first choice is recorded (``n`` > 1): a trajectory of its own, never rewritten history."""
         with self.lock:
             self.metrics["gateway/calls"] += 1
             if base is None:
-                if self.trajectories:
+                if self.trajectories and not sibling:
                     self.metrics["gateway/rewritten_history"] += 1
                 base = Trajectory(prompt_ids=list(prompt_ids), response_versions=[])
                 between: list[int] = []
@@ -713,7 +717,7 @@ class Gateway:
             with self._lock:
                 self.inflight -= n
         results = []
-        for out in outs:
+        for i, out in enumerate(outs):
             if out.stop_reason == "abort":
                 raise APIError(
                     503,
@@ -724,7 +728,7 @@ class Gateway:
             traj = None
             if session is not None:
                 processor = self.processor if multi_modal_data is not None else None
-                traj = session.record(prompt_ids, base, out, multi_modal_data, processor)
+                traj = session.record(prompt_ids, base, out, multi_modal_data, processor, sibling=i > 0)
             results.append((out, traj))
         return results, params
 
