@@ -11,9 +11,10 @@ import torch
 from _calculator import ANSWER, CALL, QUESTION, TOOLS
 
 from trellis.config.schema import ModelConfig, RolloutConfig
+from trellis.rollout.base import RolloutReplica
 from trellis.rollout.chat import ChatTemplate, tool_schemas
 from trellis.rollout.hf import HFRolloutReplica
-from trellis.rollout.sampling import SamplingParams
+from trellis.rollout.sampling import SamplingParams, TokenOutput
 from trellis.tools.base import load_tools
 
 openai = pytest.importorskip("openai")
@@ -327,3 +328,84 @@ def test_trellis_serve_answers_and_stops_on_sigterm(tiny_model_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class Recording(RolloutReplica):
+    """A replica that records each request's prompt and sampling parameters and answers ``reply``."""
+
+    def __init__(self, rank, reply):
+        super().__init__(rank, RolloutConfig(), ModelConfig())
+        self.reply, self.requests = reply, []
+
+    async def init(self, mode="standalone", **kwargs):
+        return None
+
+    async def generate(self, prompt_ids, sampling_params, request_id, **kwargs):
+        self.requests.append((list(prompt_ids), sampling_params))
+        ids = self.reply[: sampling_params.max_tokens]
+        logprobs = [-0.25] * len(ids) if sampling_params.wants_logprobs else None
+        return TokenOutput(token_ids=ids, log_probs=logprobs, stop_reason="length")
+
+    async def sleep(self):
+        return None
+
+    async def wake_up(self):
+        return None
+
+    async def update_weights(self, named_tensors):
+        return None
+
+
+def test_sampling_parameters_stop_and_routing_reach_the_replicas(calculator_model):
+    """Every sampling parameter of a valid request reaches the replica as given, stop strings cut the
+    reply, tool_choice none leaves a tool call as text, and two replicas behind one gateway serve
+    sessions least-loaded first, then sticky."""
+    tok = calculator_model[0]
+    reply = tok(CALL, add_special_tokens=False)["input_ids"]  # the model "says" a tool call
+    replicas = [Recording(0, reply), Recording(1, reply)]
+    running = start_gateway(Gateway(tok, replicas=replicas, model_name="tiny", auto_sessions=True))
+    try:
+        a, b = client(running, "a"), client(running, "b")
+        chat = a.chat.completions.create(
+            model="tiny",
+            messages=QUESTION,
+            max_completion_tokens=7,
+            temperature=0.7,
+            top_p=0.9,
+            seed=11,
+            stop=["never-said"],
+            logprobs=True,
+            extra_body={"top_k": 5, "stop_token_ids": [3, 4]},
+        )
+        ((_, params),) = replicas[0].requests
+        assert params == SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=5,
+            max_tokens=7,
+            stop=("never-said",),
+            stop_token_ids=(3, 4),
+            seed=11,
+            logprobs=True,
+        )
+        assert [t.logprob for t in chat.choices[0].logprobs.content] == [-0.25] * 7
+        assert chat.usage.completion_tokens == 7
+        # session b goes to the other (least-loaded) replica; a stays on its own
+        b.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3)
+        a.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert [len(r.requests) for r in replicas] == [2, 1]
+        assert replicas[1].requests[0][1].max_tokens == 3
+        # tools given, tool_choice none: the call stays text; a stop string cuts what is returned
+        said = tok.decode(reply, skip_special_tokens=True)
+        cut = said[len(said) // 2 :][:4]
+        plain = a.chat.completions.create(
+            model="tiny", messages=QUESTION, tools=OPENAI_TOOLS, tool_choice="none", max_tokens=64
+        )
+        assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
+        assert plain.choices[0].message.content == said
+        stopped = a.completions.create(model="tiny", prompt="x", max_tokens=64, stop=[cut])
+        assert stopped.choices[0].text == said[: said.index(cut)]
+        chunks = list(a.completions.create(model="tiny", prompt="x", max_tokens=64, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == said
+    finally:
+        running.stop()
