@@ -154,6 +154,24 @@ def test_blocking_client_and_reward_left_to_the_reward_function(calculator_model
     out = rollout(calculator_model, batch(tok, tmp_path), f"{agent_file}:blocking")
     assert "rm_scores" not in out.batch  # None: the reward manager scores the rows
     assert out.batch["response_mask"].sum(-1).tolist() == [4, 4]
+    from trellis.reward.managers import NaiveRewardManager
+    from trellis.reward.scoring import score_batch
+
+    seen = []
+
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append((data_source, solution_str, ground_truth, extra_info["i"]))
+        return 0.25 + extra_info["i"]
+
+    scored = score_batch(NaiveRewardManager(tok, compute_score=score), out).batch["token_level_scores"]
+    # the function saw each row's own columns and the text the policy generated (the 4 masked-in tokens)
+    said = [
+        tok.decode(r[m.bool()], skip_special_tokens=True)
+        for r, m in zip(out.batch["responses"], out.batch["response_mask"], strict=True)
+    ]
+    assert seen == [("arith", said[0], "4", 0), ("arith", said[1], "4", 1)]
+    assert scored.sum(-1).tolist() == [0.25, 1.25]
+    assert [int(row.nonzero()[-1]) for row in scored] == [3, 3]  # on each row's last generated token
 
 
 def test_a_rewritten_history_becomes_a_second_row_of_the_prompt(calculator_model, agent_file, tmp_path):
