@@ -293,11 +293,12 @@ def test_trellis_serve_answers_and_stops_on_sigterm(tiny_model_path):
     import signal
     import subprocess
     import sys
+    import time
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "trellis", "serve", "--model", tiny_model_path, "--port", "0"]
     proc = subprocess.Popen(
-        [*command, "--served-model-name", "tiny"],
+        [*command, "--served-model-name", "tiny", "--replica", "hf", "--session-idle-s", "1.5"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -321,6 +322,15 @@ def test_trellis_serve_answers_and_stops_on_sigterm(tiny_model_path):
         captured = httpx.get(session.replace("/v1", "/trajectories")).json()["trajectories"]
         assert len(captured) == 1 and set(captured[0]["response_mask"]) == {1}
         assert 1 <= len(captured[0]["response_ids"]) <= 2
+        # --session-idle-s: a session unused for that long is closed when the next one opens
+        time.sleep(2.0)
+        other = match.group(1).replace("/v1", "/sessions/eval-2/v1")
+        openai.OpenAI(base_url=other, api_key="-", max_retries=0).completions.create(
+            model="tiny", prompt="12", max_tokens=1
+        )
+        assert len(httpx.get(other.replace("/v1", "/trajectories")).json()["trajectories"]) == 1
+        # eval-1 and its capture are gone (a request to it now opens a fresh session)
+        assert httpx.get(session.replace("/v1", "/trajectories")).json()["trajectories"] == []
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=60)[0]
         assert proc.returncode == 0 and "Stopped." in rest
@@ -409,3 +419,30 @@ def test_sampling_parameters_stop_and_routing_reach_the_replicas(calculator_mode
         assert "".join(c.choices[0].text for c in chunks if c.choices) == said
     finally:
         running.stop()
+
+
+def test_idle_auto_sessions_expire_and_opened_ones_stay(calculator_model, monkeypatch):
+    tok = calculator_model[0]
+    replica = Recording(0, tok("4", add_special_tokens=False)["input_ids"])
+    with pytest.raises(ValueError, match="session_idle_s must be > 0"):
+        Gateway(tok, replicas=[replica], session_idle_s=0)
+    gateway = Gateway(tok, replicas=[replica], model_name="tiny", auto_sessions=True, session_idle_s=10)
+    now = [100.0]
+    monkeypatch.setattr(gateway_module.time, "monotonic", lambda: now[0])
+
+    def request(session_id):  # what a routed request does: find the session, then its replica
+        session = gateway._session(session_id)
+        gateway.router.replica_for(session_id)
+        return session
+
+    kept = gateway.open_session("training")  # opened by the caller: never expires
+    first = request("a")
+    now[0] += 6
+    request("b")
+    now[0] += 6  # a: 12 s idle; b: 6 s
+    assert request("a") is first  # used again: its clock restarts, nothing expires (none opened)
+    now[0] += 6  # a: 6 s; b: 12 s
+    request("c")
+    assert sorted(gateway.sessions) == ["a", "c", "training"] and gateway.sessions["training"] is kept
+    assert gateway.metrics["gateway/sessions_expired"] == 1
+    assert gateway.router.active == [2] and gateway.router.index_of("b") is None  # b's place released

@@ -414,6 +414,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_parser=args.tool_parser,
         max_inflight=args.max_inflight,
         auto_sessions=True,
+        session_idle_s=args.session_idle_s or None,
         processor=hf_processor(args.model),  # None for a text model; a vision-language model takes images
     )
     running = start_gateway(gateway, host=args.host, port=args.port)
@@ -507,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="the model name requests use (default: the folder's)")
     serve.add_argument("--tool-parser", default="hermes", help="tool-call parser of the model's output")
     serve.add_argument("--max-inflight", type=int, default=256, help="generations at once before 429")
+    serve.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=900.0,
+        help="close a /sessions/<id> session (and its capture) unused for this long; 0: never",
+    )
     serve.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     serve.set_defaults(func=cmd_serve)
     return parser

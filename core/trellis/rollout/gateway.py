@@ -339,6 +339,10 @@ class Gateway:
         max_inflight: generations running at once before requests get 429.
         auto_sessions: open a session on the first request to an unknown ``/sessions/<id>`` (serving);
             off: such requests get 404 (training opens its sessions itself).
+        session_idle_s: sessions ``auto_sessions`` opened and not used for this long are closed when
+            the next one opens (counted in ``gateway/sessions_expired``), so a long-running server's
+            sessions and their captures do not pile up; None: kept until a client deletes them.
+            Sessions opened with :meth:`open_session` never expire.
         chat_template_kwargs: passed to every ``apply_chat_template`` call.
         processor: the model's multimodal processor (:func:`trellis.utils.tokenizer.hf_processor`) for
             chat messages with images; None: requests with images get a 400.
@@ -353,11 +357,16 @@ class Gateway:
         tool_parser: str = "hermes",
         max_inflight: int = 256,
         auto_sessions: bool = False,
+        session_idle_s: float | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         processor: Any = None,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}.")
+        if session_idle_s is not None and not session_idle_s > 0:
+            raise ValueError(f"session_idle_s must be > 0 or None (never expire), got {session_idle_s!r}.")
+        self.session_idle_s = session_idle_s
+        self._last_used: dict[str, float] = {}  # auto-opened sessions: when a request last named each
         self.tokenizer = tokenizer
         self.router = ReplicaRouter(replicas) if replicas else None
         self.model_name = model_name
@@ -398,6 +407,7 @@ class Gateway:
         """Remove the session (later requests to it get 404) and return it with its capture."""
         with self._lock:
             session = self.sessions.pop(session_id, None)
+            self._last_used.pop(session_id, None)
         if session is None:
             raise KeyError(f"no open session {session_id!r}.")
         if self.router is not None and session.generate is None:
@@ -407,10 +417,25 @@ class Gateway:
     def _session(self, session_id: str | None) -> Session | None:
         if session_id is None:
             return None
+        expired: list[Session] = []
+        now = time.monotonic()
         with self._lock:
             session = self.sessions.get(session_id)
             if session is None and self.auto_sessions:
+                if (
+                    self.session_idle_s is not None
+                ):  # the sessions idle too long go (under the lock: none in use)
+                    for idle in [k for k, t in self._last_used.items() if now - t > self.session_idle_s]:
+                        del self._last_used[idle]
+                        expired.append(self.sessions.pop(idle))
                 session = self.sessions[session_id] = Session(session_id)
+                self._last_used[session_id] = now
+            elif session_id in self._last_used:
+                self._last_used[session_id] = now
+        for idle_session in expired:
+            if self.router is not None:
+                self.router.release(idle_session.id)  # its replica counts one session fewer
+            self.metrics["gateway/sessions_expired"] += 1
         if session is None:
             raise APIError(
                 404,
