@@ -606,3 +606,57 @@ def test_a_run_that_fails_to_build_stops_the_judge_it_started(tmp_path, tiny_mod
     (judge,) = started
     assert not judge.gateway.thread.is_alive() and trainer.judge is None
     assert cfg.reward.model.base_url is None
+
+
+@pytest.mark.parametrize("placement", ["workers", "driver"])
+def test_a_training_step_is_scored_by_a_classifier(tmp_path, placement):
+    """The tiny preset for one step with a classifier reward model, scored in the policy worker or the
+    driver: each sample's score is the classifier's logit on its conversation (prompt, decoded response),
+    computed here with a plain forward pass of the saved model."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trellis.trainer.ppo import Trainer
+
+    class Scored(Trainer):
+        def score(self, batch):
+            out, metrics = super().score(batch)
+            self.scored = (batch, out.batch["token_level_scores"])
+            return out, metrics
+
+    path = save_tiny_classifier(tmp_path / "rm")
+    cfg = config(
+        *preset_overrides("tiny"),
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.trackers=[]",
+        "trainer.resume_mode=disable",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "reward.function=null",
+        f"reward.placement={placement}",
+        "reward.model.kind=classifier",
+        f"reward.model.path={path}",
+    )
+    trainer = Scored(cfg)
+    result = trainer.fit()
+    batch, scores = trainer.scored
+    reference = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    expected = []
+    b = batch.batch
+    width = b["prompts"].shape[1]
+    for i in range(len(batch)):  # no raw chat in the batch: the prompt is its tokens, decoded
+        prompt = trainer.tokenizer.decode(
+            b["prompts"][i][b["attention_mask"][i, :width].bool()].tolist(), skip_special_tokens=True
+        )
+        response = trainer.tokenizer.decode(
+            b["responses"][i][b["response_mask"][i].bool()].tolist(), skip_special_tokens=True
+        )
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        text = tok.apply_chat_template(messages, tokenize=False)
+        with torch.no_grad():
+            row = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+            expected.append(float(reference(input_ids=row).logits[0, 0]))
+    assert len(expected) == 8 * 4  # every response of the step
+    assert scores.sum(-1).tolist() == pytest.approx(expected, abs=1e-4)
+    assert result.history[0]["reward_extra/model_score/mean"] == pytest.approx(sum(expected) / 32, abs=1e-4)
