@@ -391,38 +391,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from trellis.config import load_config
-
     try:
-        from trellis.rollout.gateway import Gateway, start_gateway
+        import trellis.rollout.gateway  # noqa: F401  (the extra's packages: fastapi, uvicorn)
     except ImportError as exc:
         print(
             f"trellis serve needs the gateway extra: pip install 'trellis-rl[gateway]' ({exc}).",
             file=sys.stderr,
         )
         return 2
-    from trellis.registries import rollout_replicas
-    from trellis.utils.tokenizer import hf_processor, hf_tokenizer
-
-    config = load_config(None, [f"model.path={args.model}", f"rollout.name={args.replica}", *args.overrides])
-    replica = rollout_replicas.get(args.replica)(0, config.rollout, config.model)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    gateway = Gateway(
-        hf_tokenizer(args.model),
-        replicas=[replica],
-        model_name=name,
-        tool_parser=args.tool_parser,
-        max_inflight=args.max_inflight,
-        auto_sessions=True,
-        session_idle_s=args.session_idle_s or None,
-        processor=hf_processor(args.model),  # None for a text model; a vision-language model takes images
-    )
-    running = start_gateway(gateway, host=args.host, port=args.port)
+    running, replica, name = start_serving(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        running.call(replica.init("standalone"))
         print(f"Serving {name!r} ({args.replica} replica) at {running.base_url}", flush=True)
         stop.wait()
     finally:
@@ -432,6 +413,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
             running.stop()
     print("Stopped.", flush=True)
     return 0
+
+
+def start_serving(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """``trellis serve``'s replica, started, behind a running gateway: ``(running gateway, replica,
+    served model name)``. The caller shuts both down (``running.call(replica.shutdown())``, then
+    ``running.stop()``).
+
+    The replica starts on the calling thread (the main one, under ``trellis serve``), where an engine
+    may need to start: SGLang's in-process engine sets signal handlers, which only the main thread may.
+    It then serves from the gateway's event loop.
+    """
+    import asyncio
+
+    from trellis.config import load_config
+    from trellis.registries import rollout_replicas
+    from trellis.rollout.gateway import Gateway, start_gateway
+    from trellis.utils.tokenizer import hf_processor, hf_tokenizer
+
+    config = load_config(None, [f"model.path={args.model}", f"rollout.name={args.replica}", *args.overrides])
+    replica = rollout_replicas.get(args.replica)(0, config.rollout, config.model)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    asyncio.run(replica.init("standalone"))
+    try:
+        gateway = Gateway(
+            hf_tokenizer(args.model),
+            replicas=[replica],
+            model_name=name,
+            tool_parser=args.tool_parser,
+            max_inflight=args.max_inflight,
+            auto_sessions=True,
+            session_idle_s=args.session_idle_s or None,
+            processor=hf_processor(args.model),  # None for a text model; a vision-language model takes images
+        )
+        running = start_gateway(gateway, host=args.host, port=args.port)
+    except BaseException:
+        asyncio.run(replica.shutdown())
+        raise
+    return running, replica, name
 
 
 # ---------------------------------------------------------------- entry point
