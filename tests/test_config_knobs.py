@@ -459,6 +459,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
         TRAINER + "test_ray_executor_with_two_fsdp_workers_and_custom_components",
         TRAINER + "test_unknown_preset_and_local_world_size_errors",
     ),
+    "trainer.share_cores": (ASYNC + "test_share_cores_trains_on_the_waiting_replicas_core",),
     "trainer.nnodes": ("tests/test_config.py::test_cross_field_rules",),
     "trainer.n_devices_per_node": (TRAINER + "test_unknown_preset_and_local_world_size_errors",),
     "trainer.trackers": (RUN_TRAINER,),

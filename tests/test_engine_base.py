@@ -615,3 +615,41 @@ def test_a_cpu_phase_gives_freed_memory_back_when_it_starts_and_ends(tiny_model_
     with eng.phase():
         eng.forward(make_batch(4))
     assert calls == ["empty_cache"] * 4
+
+
+# ---------------------------------------------------------------- shared CPU cores
+
+
+def test_shared_cores_follow_the_ledger_at_every_layer_and_the_phase_marks_busy(tiny_model_path, tmp_path):
+    from trellis.device.core_share import CoreShare
+
+    owner = CoreShare.create([1, 1], directory=str(tmp_path))  # this process's one thread, one replica's
+    replica = CoreShare.attach(owner.path, 1)  # the replica: idle, lending its thread
+    eng = engine(tiny_model_path, mbs=4)  # one micro-batch of the 4 rows below
+    eng.share_cores(owner)
+    seen = []
+    for layer in eng.model.model.layers:  # after the share's own hook: the threads this layer runs with
+        layer.register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
+    try:
+        with eng.phase(optimizer=True):
+            assert replica.others_busy() == [True]  # the phase marks the trainer busy
+            eng.forward_backward(make_batch(4), policy_loss_fn("token-mean"))
+            eng.optimizer_step()
+        assert replica.others_busy() == [False]
+        assert torch.get_num_threads() == 1  # between phases: the own share only
+        assert seen == [2, 2]
+        # the phase's entry, each of the 2 layers' forward and backward: all on the lent thread
+        assert owner.take_counts() == (5, 5)
+        seen.clear()
+        with replica.busy(), eng.phase():  # the replica decodes: its thread is its own again
+            eng.forward(make_batch(4))
+        assert seen == [1, 1]
+        assert owner.take_counts() == (3, 0)  # no backward in a forward pass
+        eng.share_cores(None)  # hooks removed
+        with eng.phase():
+            eng.forward(make_batch(4))
+        assert owner.take_counts() == (0, 0)
+        assert replica.others_busy() == [False]
+    finally:
+        replica.close()
+        owner.close()

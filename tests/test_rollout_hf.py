@@ -568,6 +568,69 @@ def test_cpu_threads_setting(tiny_model_path, hf):
     assert during == before + 1 and after == before and fresh == before
 
 
+def test_shared_cores_mark_generation_busy_and_decode_on_the_idle_trainers_cores(
+    tiny_model_path, hf, tmp_path, monkeypatch
+):
+    import trellis.rollout.hf as hf_module
+    from trellis.device.core_share import CoreShare
+
+    model, tok = hf
+    trainer = CoreShare.create([1, 1], directory=str(tmp_path))  # the trainer's slot 0: idle
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    ps = prompts(tok, 4)
+
+    async def body(replica):
+        replica_share = CoreShare.attach(trainer.path, 1)
+        assert replica.share_cores(replica_share)
+        states, threads = [], []
+        real = hf_module._torch_threads
+
+        def recording(n):  # the thread count each decoding step asks for
+            threads.append(n)
+            return real(n)
+
+        monkeypatch.setattr(hf_module, "_torch_threads", recording)
+
+        async def watch(done):
+            while not done.is_set():
+                states.append(trainer.others_busy()[0])
+                await asyncio.sleep(0)
+
+        async def generate():
+            done = asyncio.Event()
+            watcher = asyncio.create_task(watch(done))
+            outs = await asyncio.gather(*(replica.generate(p, sp, f"r{i}") for i, p in enumerate(ps)))
+            done.set()
+            await watcher
+            return outs
+
+        try:
+            outs = await generate()
+            assert all(len(o.token_ids) == 24 for o in outs)
+            assert True in states  # busy while decoding (the watcher runs between steps)
+            assert trainer.others_busy() == [False]  # idle once the batch is served
+            small = list(threads)
+            threads.clear()
+            # a model at or over the threshold decodes with torch's setting: then it borrows
+            monkeypatch.setattr(hf_module, "AUTO_SINGLE_THREAD_PARAMS", 0)
+            await generate()
+            borrowing = list(threads)
+            threads.clear()
+            with trainer.busy():  # the trainer trains: the replica keeps to its own thread
+                await generate()
+            return small, borrowing, list(threads)
+        finally:
+            replica_share.close()
+
+    try:
+        small, borrowing, beside = run(tiny_model_path, body, mode="hybrid", model=model, tokenizer=tok)
+    finally:
+        trainer.close()
+    assert small and set(small) == {1}  # "auto" on the 0.1M model: one thread, lent but never borrowed
+    assert len(borrowing) >= 24 and set(borrowing) == {2}  # every step: own thread + the idle trainer's
+    assert len(beside) >= 24 and set(beside) == {1}
+
+
 def test_colocated_weights_and_tokenizer_follow_the_model_config(tiny_model_path, hf, tmp_path):
     _, tok = hf
     marked = copy.deepcopy(tok)

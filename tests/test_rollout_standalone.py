@@ -165,6 +165,39 @@ def _run(coro):
     return run_coroutine(coro)
 
 
+def test_replica_processes_join_the_core_ledger(standalone, tmp_path):
+    from types import SimpleNamespace
+
+    from trellis.device.core_share import CoreShare
+    from trellis.rollout.manager import ReplicaManager
+    from trellis.rollout.remote import ReplicaActor
+
+    _, manager = standalone
+    ledger = CoreShare.create([1, 1, 1], directory=str(tmp_path))
+    try:
+        assert ledger.others_busy() == [True, True]  # not attached yet: nothing lent
+        assert manager.share_cores(ledger.path) == [True, True]  # slots 1 and 2: replicas 0 and 1
+        assert ledger.others_busy() == [False, False]
+        assert ledger.threads() == 3
+        assert 1 <= len(_generate(manager.replicas[0]).token_ids) <= 4
+        assert ledger.others_busy() == [False, False]  # idle again once served
+        # a replica without share_cores (a plugin's), or one that declines, keeps its slot busy
+        for replica in (SimpleNamespace(), SimpleNamespace(share_cores=lambda share: False)):
+            actor = ReplicaActor.__new__(ReplicaActor)
+            actor.replica, actor._core_share = replica, None
+            slot = CoreShare.create([1, 1], directory=str(tmp_path))
+            try:
+                assert _run(actor.share_cores(slot.path, 1)) is False
+                assert slot.others_busy() == [True]
+            finally:
+                slot.close()
+    finally:
+        ledger.close()
+    local = ReplicaManager([SimpleNamespace(replica_rank=0)])
+    with pytest.raises(RolloutReplicaError, match="share_cores: these replicas run in this process"):
+        local.share_cores(ledger.path)
+
+
 def test_manager_sends_weights_through_the_engine_and_names_a_dead_replica(ray_cluster, tmp_path):
     from trellis.checkpoint.sync import WeightSyncManager
     from trellis.rollout.manager import ReplicaManager

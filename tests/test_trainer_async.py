@@ -215,8 +215,11 @@ def _bare_trainer(executor="local", own_ray=True, device="cpu"):
     from types import SimpleNamespace
 
     trainer = Trainer.__new__(Trainer)
-    trainer.config = SimpleNamespace(trainer=SimpleNamespace(executor=executor, device=device))
+    trainer.config = SimpleNamespace(
+        trainer=SimpleNamespace(executor=executor, device=device, share_cores=False)
+    )
     trainer._own_ray, trainer._threads_before, trainer.replicas = own_ray, None, _Replicas()
+    trainer.core_share = None
     return trainer
 
 
@@ -241,3 +244,40 @@ def test_local_cpu_training_leaves_the_replicas_their_cores(monkeypatch):
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(1)
+
+
+class OwnsCluster(Recording):
+    """Takes the tests' Ray cluster for one it started (as ``trellis train`` on a laptop does), so the
+    replicas count as this machine's; leaves it running at the end."""
+
+    ledger = None
+
+    def _start_ray(self):
+        super()._start_ray()
+        self._own_ray = True
+
+    def _leave_cores_to_replicas(self):
+        super()._leave_cores_to_replicas()
+        if self.core_share is not None:
+            self.ledger = self.core_share.path
+
+    def _shutdown(self):
+        self._own_ray = False
+        super()._shutdown()
+
+
+def test_share_cores_trains_on_the_waiting_replicas_core(tmp_path, monkeypatch, ray_cluster):
+    import os
+
+    monkeypatch.delenv("TRELLIS_NUM_THREADS", raising=False)
+    # sync: the replica has nothing to generate while the step trains, so the update runs on its core too
+    trainer, result = train(tmp_path, "shared", "trainer.mode=sync", cls=OwnsCluster)
+    assert trainer.ledger is not None and not os.path.exists(trainer.ledger)  # removed at shutdown
+    borrowed = [m["perf/borrowed_core_fraction"] for m in result.history]
+    assert len(borrowed) == STEPS and min(borrowed) > 0.5, borrowed
+    assert torch.get_num_threads() == 1  # put back
+    fixed, fixed_result = train(
+        tmp_path, "fixed", "trainer.mode=sync", "trainer.share_cores=false", cls=OwnsCluster
+    )
+    assert fixed.ledger is None
+    assert all("perf/borrowed_core_fraction" not in m for m in fixed_result.history)

@@ -1236,6 +1236,14 @@ class TrainerConfig(BaseConfig):
         "local",
         "How workers run: local (in this process) or ray (Ray actors: several processes, devices or nodes).",
     )
+    share_cores: bool = knob(
+        True,
+        "CPU training in this process beside standalone replicas on the same machine (executor local, a Ray "
+        "cluster the trainer starts, no TRELLIS_NUM_THREADS): whoever computes also runs on the cores of "
+        "those waiting. The trainer trains on the replicas' cores while they have nothing to generate, and "
+        "an hf replica decodes on the trainer's while it waits (validation, rollouts). false: a fixed "
+        "split, one thread per replica and the rest for training.",
+    )
     nnodes: int = knob(1, "Machines in the run; more than 1 needs executor=ray.", ge=1)
     n_devices_per_node: int = knob(1, "Accelerators used on each machine (cpu: worker processes).", ge=1)
     trackers: list[str] = knob(

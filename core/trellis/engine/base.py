@@ -69,11 +69,12 @@ from trellis.config.base import ConfigValueError, schema_default
 from trellis.config.schema import ActorConfig, CriticConfig, OffloadConfig, RefConfig
 from trellis.data.protocol import DataProto
 from trellis.device import get_device_backend
+from trellis.device.core_share import CoreShare
 from trellis.engine import lora, packing, sequence_parallel, shared_prompt
 from trellis.engine import multimodal as multimodal_forward
 from trellis.engine.fused import apply_fused_kernels
 from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, micro_batch_groups
-from trellis.engine.models import compute_dtype, load_model, model_setting
+from trellis.engine.models import compute_dtype, decoder_layers, load_model, model_setting
 from trellis.engine.optim import build_lr_scheduler, build_optimizer
 from trellis.errors import EngineError
 from trellis.utils.memory import host_memory
@@ -212,6 +213,9 @@ class TrainingEngine:
         # where the parameters are (_wrap_model may leave them on the host), and the (empty) optimizer state
         self._model_device = self._optimizer_device = _resolve_device(next(self.model.parameters()).device)
         self._phase_depth, self._phase_updates = 0, False
+        self.core_share: CoreShare | None = None
+        """The machine's cores shared with other processes of the run (:meth:`share_cores`), or None."""
+        self._share_hooks: list[Any] = []
         self._put_away(drop_grads=False)  # with offload on, the engine starts offloaded
 
     # ---------------------------------------------------------------- parallel parts (subclasses)
@@ -619,6 +623,50 @@ class TrainingEngine:
         """Drop the accumulated gradients (``set_to_none``)."""
         self.model.zero_grad(set_to_none=True)
 
+    # ---------------------------------------------------------------- shared CPU cores
+
+    def share_cores(self, share: CoreShare | None) -> None:
+        """Compute on the cores ``share`` lends (:mod:`trellis.device.core_share`); None stops.
+
+        Phases then mark this process busy, and the torch threads follow the ledger: set on entering a
+        phase, before each decoder layer's forward and before its backward (a hook on the gradient of
+        its output), and back to this process's own share when the phase ends.
+        """
+        for handle in self._share_hooks:
+            handle.remove()
+        self._share_hooks = []
+        self.core_share = share
+        if share is None:
+            return
+
+        def before_backward(grad: torch.Tensor) -> None:
+            share.apply()
+
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            share.apply()
+
+        def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                hidden.register_hook(before_backward)
+
+        for layer in decoder_layers(getattr(self.model, "module", self.model)):
+            self._share_hooks.append(layer.register_forward_pre_hook(before_forward))
+            self._share_hooks.append(layer.register_forward_hook(after_forward))
+
+    @contextlib.contextmanager
+    def _sharing_cores(self) -> Iterator[None]:
+        share = self.core_share
+        if share is None:
+            yield
+            return
+        with share.busy():
+            share.apply()
+            try:
+                yield
+            finally:
+                torch.set_num_threads(share.own)  # between phases: only this process's own cores
+
     # ---------------------------------------------------------------- placement
 
     @contextlib.contextmanager
@@ -638,6 +686,8 @@ class TrainingEngine:
         back to the OS: the ``cpu`` backend's ``empty_cache``. Under ``reuse`` (the default) it stays
         in malloc's one arena for the next stage, and the next phase faults no page in again
         (docs/performance.md, "Memory").
+        With a :meth:`share_cores` ledger, the outermost phase marks this process busy and runs on the
+        cores the other processes leave idle.
 
         Raises:
             EngineError: ``optimizer=True`` on a ``ref`` engine (no optimizer).
@@ -646,14 +696,16 @@ class TrainingEngine:
             self._require_trainable("phase(optimizer=True)")
         if self._phase_depth == 0:
             self._trim_host()  # what earlier stages freed (generation: in its own thread's malloc arena)
+        sharing = self._sharing_cores() if self._phase_depth == 0 else contextlib.nullcontext()
         self._phase_depth += 1
         self._phase_updates |= optimizer
         try:
-            if self._moves_params:
-                self.to(self.device, model=True, optimizer=False)
-            if optimizer and self._moves_optimizer:
-                self.to(self.device, model=False, optimizer=True)
-            yield
+            with sharing:
+                if self._moves_params:
+                    self.to(self.device, model=True, optimizer=False)
+                if optimizer and self._moves_optimizer:
+                    self.to(self.device, model=False, optimizer=True)
+                yield
         finally:
             self._phase_depth -= 1
             if self._phase_depth == 0:

@@ -130,6 +130,7 @@ from typing import Any
 
 from trellis.config.base import schema_default
 from trellis.config.schema import ModelConfig, RolloutConfig
+from trellis.device.core_share import CoreShare
 from trellis.rollout.base import RolloutReplica, has_items
 from trellis.rollout.hf_continuous import (
     ContinuousDecoder,
@@ -293,6 +294,7 @@ class HFRolloutReplica(RolloutReplica):
         self._interrupt = threading.Event()  # partial rollout: set while an update waits or loads
         self._generator: Any = None
         self._num_params = 0  # set by init; cpu_threads="auto" reads it
+        self.core_share: CoreShare | None = None  # the machine's cores shared with the trainer (share_cores)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -591,15 +593,16 @@ class HFRolloutReplica(RolloutReplica):
                             batch.append(queue.get_nowait())
                         version = self.weight_version  # read under the lock: the version of these weights
                         self._require_weights()
-                        batch = await self._with_vision(batch)
-                        if batch and self._batches_continuously(batch):
-                            # results reach the callers as rows end; batch grows with every admitted request
-                            await self._serve_continuously(batch, version, resume)
-                            batch = []
-                        else:
-                            outputs = (
-                                await asyncio.to_thread(self._run_batch, batch, version) if batch else []
-                            )
+                        with self._generating():
+                            batch = await self._with_vision(batch)
+                            if batch and self._batches_continuously(batch):
+                                # results reach the callers as rows end; batch grows with every admitted one
+                                await self._serve_continuously(batch, version, resume)
+                                batch = []
+                            else:
+                                outputs = (
+                                    await asyncio.to_thread(self._run_batch, batch, version) if batch else []
+                                )
                 if held_back:  # the update queued for the lock first, so it gets it now
                     await asyncio.sleep(0)  # (yields even if that update waits on another loop's lock)
                     continue
@@ -672,12 +675,12 @@ class HFRolloutReplica(RolloutReplica):
 
         async def run_on_loop() -> None:
             # each step under no_grad and the thread count, which the loop's other tasks must not inherit
-            threads = self._intra_op_threads()
+            # (read per step: with a core ledger it follows the trainer's state)
             with _eval_mode(self.model):
                 steps = decoder().iterate(list(batch))
                 try:
                     while True:
-                        with torch.no_grad(), _torch_threads(threads):
+                        with torch.no_grad(), _torch_threads(self._intra_op_threads()):
                             if next(steps, _DONE) is _DONE:
                                 return
                         await asyncio.sleep(0)
@@ -873,12 +876,35 @@ class HFRolloutReplica(RolloutReplica):
         return eos[0] if eos else 0
 
     def _intra_op_threads(self) -> int | None:
-        """Intra-op threads for the generation thread: None leaves torch's setting (see module docstring)."""
+        """Intra-op threads for the generation thread: None leaves torch's setting (see module docstring).
+        Where that setting stands and the replica shares the machine's cores (:meth:`share_cores`): its
+        own share plus those of the processes idle now, read again at every call."""
+        threads = self._fixed_threads()
+        if threads is None and self.core_share is not None:
+            return self.core_share.threads()
+        return threads
+
+    def _fixed_threads(self) -> int | None:
         if self.device is None or self.device.type != "cpu":
             return None
         if self.cpu_threads == "auto":
             return 1 if self._num_params < AUTO_SINGLE_THREAD_PARAMS else None
         return int(self.cpu_threads)
+
+    def share_cores(self, share: CoreShare) -> bool:
+        """Take part in the machine's core ledger ``share`` (:mod:`trellis.device.core_share`): the
+        replica is marked busy while it generates, so its cores go to the trainer while it waits, and,
+        where it generates with torch's thread setting (``cpu_threads`` "auto" on a model of at least
+        :data:`AUTO_SINGLE_THREAD_PARAMS` parameters), it decodes on the trainer's cores while the
+        trainer waits (every decoding step reads the ledger). Whether it takes part: only on the CPU."""
+        if self.device is None or self.device.type != "cpu":
+            return False
+        self.core_share = share
+        return True
+
+    def _generating(self) -> contextlib.AbstractContextManager:
+        """Marks the replica busy in its core ledger, if it has one, for the block."""
+        return self.core_share.busy() if self.core_share is not None else contextlib.nullcontext()
 
     def _run_batch(self, batch: list[_Request], version: int = 0) -> list[tuple[TokenOutput, bool]]:
         """One ``model.generate`` over ``batch`` (blocking; runs in a worker thread).

@@ -217,6 +217,13 @@ class ReplicaManager:
         self._wait(refs, "connect_weight_sync", START_TIMEOUT_S)
         self._connected = True
 
+    def share_cores(self, path: str, timeout_s: float = START_TIMEOUT_S) -> list[bool]:
+        """Ask every replica process to join the core ledger at ``path`` as participant
+        ``replica_rank + 1`` (:mod:`trellis.device.core_share`); by replica, whether it took part."""
+        self._require_remote("share_cores")
+        refs = [r.actor.share_cores.remote(path, r.replica_rank + 1) for r in self.replicas]
+        return [bool(v) for v in self._wait(refs, "share_cores", timeout_s)]
+
     def update_weights(
         self,
         source: Iterable[tuple[str, Any]] | Callable[[], Any],
@@ -331,7 +338,7 @@ class ReplicaManager:
         if not self.remote:
             raise RolloutReplicaError(
                 f"{where}: these replicas run in this process; only replicas in processes of their own "
-                "(rollout.mode=standalone) join a weight-sync group."
+                "(rollout.mode=standalone) join a weight-sync group or a core ledger."
             )
 
     def _wait(self, refs: list[Any], what: str, timeout_s: float) -> list[Any]:

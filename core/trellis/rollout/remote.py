@@ -69,6 +69,7 @@ class ReplicaActor:
         self.replica = rollout_replicas.get(config.rollout.name)(replica_rank, config.rollout, config.model)
         self._sync: Any = None  # the WeightSyncManager and the connected engine, once connected
         self._engine: Any = None
+        self._core_share: Any = None  # this process's slot in the machine's core ledger, once shared
 
     async def init(self) -> dict[str, Any]:
         """Load the model (``model.path``) and start serving; the process id and server address."""
@@ -140,11 +141,31 @@ class ReplicaActor:
         stats = await self._sync.receive(self._engine, [self.replica], version=version, staged=staged)
         return {"tensors": float(stats.tensors), "bytes": float(stats.bytes), "seconds": stats.seconds}
 
+    async def share_cores(self, path: str, slot: int) -> bool:
+        """Join the trainer's core ledger at ``path`` as participant ``slot``
+        (:mod:`trellis.device.core_share`), if the replica takes part (its ``share_cores(share)``
+        returns True); whether it does. One that does not leaves its slot busy: its cores are never lent.
+        """
+        from trellis.device.core_share import CoreShare
+
+        take = getattr(self.replica, "share_cores", None)
+        if take is None:
+            return False
+        share = CoreShare.attach(path, slot)
+        if not take(share):
+            share.close()
+            return False
+        self._core_share = share
+        return True
+
     async def shutdown(self) -> None:
-        """Finalize the checkpoint engine and shut the replica's engine down."""
+        """Finalize the checkpoint engine, shut the replica's engine down and leave the core ledger."""
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.finalize()
+        share, self._core_share = self._core_share, None
+        if share is not None:
+            share.close()
         shutdown = getattr(self.replica, "shutdown", None)
         if shutdown is not None:
             await shutdown()

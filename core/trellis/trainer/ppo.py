@@ -101,6 +101,8 @@ class Trainer:
         self.groups: list[Any] = []
         self._own_ray = False  # whether this trainer started the Ray cluster (and stops it)
         self._threads_before: int | None = None
+        self.core_share: Any = None
+        """The machine's core ledger shared with standalone replicas (``trainer.share_cores``), or None."""
         # before any worker, replica thread or OpenMP pool starts: they inherit the setting
         self._denormal_before = set_flush_denormal(config.trainer.flush_denormal)  # restored by _shutdown
         self._host_memory_before = set_host_memory(config.trainer.host_memory)  # likewise
@@ -268,11 +270,15 @@ class Trainer:
 
     def _leave_cores_to_replicas(self) -> None:
         """One machine, CPU training in this process (executor local, a Ray cluster this trainer
-        started) beside standalone replicas of one thread each: train with the cores they leave.
+        started) beside standalone replicas of one thread each: train with the cores they leave, and,
+        with ``trainer.share_cores``, also on theirs while they wait.
 
         torch's default is one intra-op thread per core, so training would otherwise run as many
         OpenMP threads as cores next to the replicas' threads, and oversubscribed OpenMP barriers slow
-        both several-fold. ``TRELLIS_NUM_THREADS`` set in the environment wins.
+        both several-fold. ``TRELLIS_NUM_THREADS`` set in the environment wins (and shares nothing).
+        Sharing (:mod:`trellis.device.core_share`): a ledger with this process's threads and one thread
+        per replica; each marks itself busy while it computes, and a busy one runs the shares of those
+        idle too (the trainer between decoder layers, an ``hf`` replica between decoding steps).
         """
         cfg = self.config
         if (
@@ -296,6 +302,22 @@ class Trainer:
             )
             self._threads_before = torch.get_num_threads()  # restored by _shutdown
             torch.set_num_threads(threads)
+        if cfg.trainer.share_cores and replicas:
+            from trellis.device.core_share import CoreShare
+
+            self.core_share = CoreShare.create([min(threads, 255)] + [1] * replicas)
+            taking = self.replicas.share_cores(self.core_share.path)
+            self.actor_wg.share_cores(self.core_share)
+            if self.critic_wg is not None:
+                self.critic_wg.share_cores(self.core_share)
+            logger.info(
+                "Sharing %d cores: training on %d threads, and on the cores of the replicas that wait "
+                "(%d of %d take part; trainer.share_cores).",
+                cores,
+                threads,
+                sum(taking),
+                replicas,
+            )
 
     def _build_trackers(self) -> None:
         from trellis.config.loader import to_dict
@@ -705,6 +727,9 @@ class Trainer:
             generating = waited if busy is None else busy
             metrics["async/rollout_idle_fraction"] = max(0.0, 1.0 - generating / step_s)
         metrics["training/samples_per_s"] = len(batch) / step_s
+        if self.core_share is not None:  # trainer.share_cores: the layer passes run on lent cores
+            applied, borrowed = self.core_share.take_counts()
+            metrics["perf/borrowed_core_fraction"] = borrowed / applied if applied else 0.0
         metrics.update(M.compute_data_metrics(batch, cfg.data.max_response_length))
         metrics.update(M.compute_timing_metrics(timings))
         metrics.update(M.compute_throughput_metrics(batch, timings, self.world_size))
@@ -1059,6 +1084,9 @@ class Trainer:
 
             ray.shutdown()
             self._own_ray = False
+        share, self.core_share = getattr(self, "core_share", None), None
+        if share is not None:  # after the replicas left it: the ledger's file goes
+            share.close()
         if self._threads_before is not None:  # _leave_cores_to_replicas lowered them
             torch.set_num_threads(self._threads_before)
             self._threads_before = None

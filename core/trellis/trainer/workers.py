@@ -122,6 +122,16 @@ class _Role(Worker):
                 mesh, dp_rank=self.rank // sp, is_collect=self.rank % sp == 0
             )
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def share_cores(self, share: Any) -> None:
+        """Compute on the cores the machine's ledger ``share`` lends: a
+        :class:`~trellis.device.core_share.CoreShare` of this process (executor ``local``), given to
+        every engine of the worker (:meth:`~trellis.engine.base.TrainingEngine.share_cores`)."""
+        for role in ("actor", "ref", "critic"):
+            engine = getattr(self, role, None)
+            if engine is not None:
+                engine.share_cores(share)
+
     def _engine(self, role: str, role_config: Any, total_steps: int | None) -> Any:
         from trellis.registries import training_engines
 
