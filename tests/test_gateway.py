@@ -5,6 +5,7 @@ OpenAI-shaped errors, and the token-exact capture of sessions."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -446,3 +447,78 @@ def test_idle_auto_sessions_expire_and_opened_ones_stay(calculator_model, monkey
     assert sorted(gateway.sessions) == ["a", "c", "training"] and gateway.sessions["training"] is kept
     assert gateway.metrics["gateway/sessions_expired"] == 1
     assert gateway.router.active == [2] and gateway.router.index_of("b") is None  # b's place released
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "opening"),
+    [
+        ("required", '<tool_call>{"name": "'),
+        (
+            {"type": "function", "function": {"name": "calculator"}},
+            '<tool_call>{"name": "calculator", "arguments":',
+        ),
+    ],
+)
+def test_a_forced_tool_call_opens_the_reply_and_stays_out_of_the_loss(served, tool_choice, opening):
+    running, tok, model, _ = served
+    c = client(running, "forced")
+    messages = list(QUESTION)
+    first = c.chat.completions.create(
+        model="tiny", messages=messages, tools=OPENAI_TOOLS, tool_choice=tool_choice, temperature=0
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {
+        "expression": "2 + 2"
+    }
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "4"},
+    ]
+    second = c.chat.completions.create(model="tiny", messages=messages, tools=OPENAI_TOOLS, temperature=0)
+    assert second.choices[0].message.content == ANSWER
+    (traj,) = running.gateway.close_session("forced").samples()  # the forced call's turn was extended
+    prompt = ChatTemplate(tok).prompt_ids(QUESTION, OPENAI_TOOLS)
+    forced = tok(opening, add_special_tokens=False)["input_ids"]
+    assert traj.prompt_ids == prompt + forced  # the opening is prompt: the policy did not choose it
+    generated = first.usage.completion_tokens
+    assert first.usage.prompt_tokens == len(prompt + forced)
+    assert traj.response_mask[:generated] == [1] * generated and traj.calls == 2
+    assert tok.decode(forced + traj.response_ids[:generated], skip_special_tokens=True).startswith(opening)
+    expected = teacher_forced(model, traj.prompt_ids + traj.response_ids, len(traj.prompt_ids))
+    mask = torch.tensor(traj.response_mask, dtype=torch.bool)
+    torch.testing.assert_close(torch.tensor(traj.response_logprobs)[mask], expected[mask], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "message"),
+    [
+        ({"type": "function", "function": {"name": "search"}}, "names 'search', which is not in tools"),
+        ("always", "tool_choice must be 'auto', 'none', 'required'"),
+        ({"type": "function"}, "tool_choice must be"),
+    ],
+)
+def test_bad_tool_choices_name_the_param(served, tool_choice, message):
+    running = served[0]
+    body = {"model": "tiny", "messages": QUESTION, "tools": OPENAI_TOOLS, "tool_choice": tool_choice}
+    response = httpx.post(running.base_url + "/chat/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tool_choice" and message in error["message"]
+
+
+def test_a_parser_that_cannot_open_a_call_refuses_forced_calls(calculator_model):
+    from trellis.rollout.tool_parser import HermesToolParser, ToolParser
+
+    class Plain(ToolParser):  # no call_prefix: the base's None
+        def extract_tool_calls(self, text):
+            return HermesToolParser().extract_tool_calls(text)
+
+    gateway = Gateway(calculator_model[0], replicas=[Recording(0, [5])])
+    gateway.parser = Plain()
+    with pytest.raises(gateway_module.APIError, match="needs a tool-call parser that can open a call"):
+        gateway._forced_call("required", OPENAI_TOOLS)
+    assert gateway._forced_call("auto", OPENAI_TOOLS) is None
+    with pytest.raises(gateway_module.APIError, match="needs tools to call"):
+        Gateway(calculator_model[0], replicas=[Recording(0, [5])])._forced_call("required", None)

@@ -117,6 +117,17 @@ def test_hermes_parser_reads_calls_and_reports_malformed_ones():
     assert parser.extract_tool_calls("no calls here") == ("no calls here", [])
 
 
+def test_hermes_openings_complete_to_the_calls_they_force():
+    parser = HermesToolParser()
+    anything, named = parser.call_prefix(None), parser.call_prefix('say "hi"')
+    assert anything == '<tool_call>{"name": "'
+    assert named == '<tool_call>{"name": "say \\"hi\\"", "arguments":'  # the name JSON-escaped
+    _, (call,) = parser.extract_tool_calls(anything + 'calculator", "arguments": {"x": 1}}</tool_call>')
+    assert call == FunctionCall("calculator", {"x": 1})
+    _, (call,) = parser.extract_tool_calls(named + ' {"to": "you"}}</tool_call>')
+    assert call == FunctionCall('say "hi"', {"to": "you"})
+
+
 def test_unknown_parser_lists_the_known_ones():
     with pytest.raises(UnknownComponentError, match="hermes"):
         get_tool_parser("hermez")

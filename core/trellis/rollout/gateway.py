@@ -13,8 +13,12 @@ Routes (each also under ``/sessions/<id>``): ``POST /v1/chat/completions`` (stre
 ``stop_token_ids``, ``n``, ``max_tokens`` / ``max_completion_tokens``, ``logprobs``) map onto
 :class:`~trellis.rollout.sampling.SamplingParams`; tool calling renders ``tools`` and tool messages
 through the model's chat template and reads calls back with the registered tool-call parser
-(``hermes`` by default). Parameters the replicas cannot honour (``presence_penalty`` != 0,
-``logit_bias``, ``top_logprobs`` > 0, ``echo``, ``tool_choice: required``) are refused with a 400
+(``hermes`` by default). ``tool_choice``: ``auto``, ``none`` (no call is read), or ``required`` / a
+named function, which the gateway forces by ending the prompt with the parser's opening of a call
+(:meth:`~trellis.rollout.tool_parser.ToolParser.call_prefix`; for a named function, up to its
+arguments): the model continues inside the call, and the capture holds the opening as prompt (loss
+mask 0), since the policy did not choose it. Parameters the replicas cannot honour
+(``presence_penalty`` != 0, ``logit_bias``, ``top_logprobs`` > 0, ``echo``) are refused with a 400
 naming the ``param``; unknown keys are ignored, as OpenAI-compatible servers do.
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
@@ -507,12 +511,7 @@ class Gateway:
         messages = _messages(body.get("messages"))
         tools = _tools(body)
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
-        if tool_choice not in ("auto", "none"):
-            raise _bad(
-                "tool_choice",
-                f"tool_choice {tool_choice!r} is not supported: the replica cannot constrain decoding; use "
-                "'auto' or 'none'.",
-            )
+        forced = self._forced_call(tool_choice, tools)
         logprobs = _bool(body, "logprobs", False)
         if _int(body, "top_logprobs", 0, 0, 20):
             raise _bad(
@@ -526,13 +525,17 @@ class Gateway:
             prompt_ids, base, images = await self._vision_prompt(messages, tools, session)
         else:
             prompt_ids, base = self._chat_prompt(messages, tools, session)
+        if forced:  # the reply starts inside a call: the opening is prompt (mask 0 in the capture)
+            prompt_ids = prompt_ids + self.tokenizer(forced, add_special_tokens=False)["input_ids"]
         outs, params = await self._generate(
             body, session, prompt_ids, base, max_tokens, param, logprobs, multi_modal_data=images
         )
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         choices = []
         for index, (out, traj) in enumerate(outs):
-            message, finish = self._reply(out, params, parse_tools=bool(tools) and tool_choice != "none")
+            message, finish = self._reply(
+                out, params, parse_tools=bool(tools) and tool_choice != "none", opening=forced or ""
+            )
             if session is not None and traj is not None:
                 normalized = [_norm_message(m) for m in messages]
                 turn = _ChatTurn(
@@ -879,13 +882,54 @@ class Gateway:
 
     # ------------------------------------------------------------ replies
 
+    def _forced_call(self, tool_choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
+        """The opening of a call the reply must start with (``tool_choice`` ``required`` or a named
+        function, through the parser's :meth:`~trellis.rollout.tool_parser.ToolParser.call_prefix`),
+        or None (``auto``, ``none``). A 400 naming ``tool_choice`` for anything else."""
+        if tool_choice in ("auto", "none"):
+            return None
+        names = [t["function"]["name"] for t in tools or []]
+        if tool_choice == "required":
+            name = None
+        elif (
+            isinstance(tool_choice, Mapping)
+            and tool_choice.get("type") == "function"
+            and isinstance(tool_choice.get("function"), Mapping)
+            and isinstance(tool_choice["function"].get("name"), str)
+        ):
+            name = tool_choice["function"]["name"]
+            if name not in names:
+                raise _bad("tool_choice", f"tool_choice names {name!r}, which is not in tools ({names}).")
+        else:
+            raise _bad(
+                "tool_choice",
+                f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': "
+                f"{{'name': ...}}}}, got {tool_choice!r}.",
+            )
+        if not names:
+            raise _bad(
+                "tool_choice", f"tool_choice {tool_choice!r} needs tools to call; the request has none."
+            )
+        opening = self.parser.call_prefix(name)
+        if not opening:
+            raise _bad(
+                "tool_choice",
+                f"tool_choice {tool_choice!r} needs a tool-call parser that can open a call; "
+                f"{type(self.parser).__name__} cannot (it has no call_prefix). Use 'auto'.",
+            )
+        return opening
+
     def _reply(
-        self, out: TokenOutput, params: SamplingParams, *, parse_tools: bool
+        self, out: TokenOutput, params: SamplingParams, *, parse_tools: bool, opening: str = ""
     ) -> tuple[dict[str, Any], str]:
-        text = _cut_at_stop(self.tokenizer.decode(out.token_ids, skip_special_tokens=True), params.stop)
+        """The assistant message of ``out`` and its finish reason; ``opening``: the text of a forced
+        call's opening, which the prompt ended with and the reply continues."""
+        text = _cut_at_stop(
+            opening + self.tokenizer.decode(out.token_ids, skip_special_tokens=True), params.stop
+        )
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if parse_tools:
-            raw = self.tokenizer.decode(out.token_ids, skip_special_tokens=False)
+            raw = opening + self.tokenizer.decode(out.token_ids, skip_special_tokens=False)
             content, calls = self.parser.extract_tool_calls(_cut_at_stop(raw, params.stop))
             good = [c for c in calls if c.error is None]
             if good:

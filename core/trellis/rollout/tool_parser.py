@@ -48,6 +48,13 @@ class ToolParser(abc.ABC):
         be told what went wrong.
         """
 
+    def call_prefix(self, name: str | None) -> str | None:
+        """The text that opens a call in this format, to any function (``name`` None) or to ``name``;
+        None: the format cannot be opened that way. The gateway writes it after the generation prompt
+        for ``tool_choice: required`` or a named function, so the model's reply starts inside a call
+        (the opening is prompt, not policy output: it is never trained on). The default: None."""
+        return None
+
 
 tool_parsers: Registry[type] = Registry(
     "tool parser",
@@ -70,6 +77,18 @@ class HermesToolParser(ToolParser):
     """
 
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def call_prefix(self, name: str | None) -> str:
+        """``<tool_call>{"name": "`` (any function), or ``<tool_call>{"name": "<name>", "arguments":``.
+
+        Each ends where a tokenizer cuts anyway (inside the JSON, before a quoted word or the space a
+        tokenizer attaches to the next token), so the model continues from the tokens it would have
+        written itself; ``<tool_call>`` alone ends mid-token for a tokenizer that merges ``>{`` and
+        leaves the model lost. No newline follows ``<tool_call>``, which the JSON does not need.
+        """
+        if name is None:
+            return '<tool_call>{"name": "'
+        return "<tool_call>" + '{"name": ' + json.dumps(name) + ', "arguments":'
 
     def extract_tool_calls(self, text: str) -> tuple[str, list[FunctionCall]]:
         calls = [self._parse(m.group(1)) for m in self._BLOCK.finditer(text)]
