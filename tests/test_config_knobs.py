@@ -317,7 +317,10 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "rollout.agent.default_agent_loop": (AGENT + "test_default_agent_loop_runs_samples_that_name_none",),
     "rollout.agent.max_turns": (AGENT + "test_max_turns_and_length_budget_end_the_loop",),
     "rollout.agent.tool_config_path": (AGENT + "test_tools_load_from_the_configured_yaml",),
-    "rollout.agent.tool_parser": (AGENT + "test_tool_parser_is_the_configured_one",),
+    "rollout.agent.tool_parser": (
+        AGENT + "test_tool_parser_is_the_configured_one",
+        "tests/test_openai_agent.py::test_the_gateway_reads_calls_with_the_configured_tool_parser",
+    ),
     "rollout.agent.max_parallel_calls": (AGENT + "test_calls_beyond_max_parallel_calls_are_ignored",),
     "rollout.agent.max_tool_response_length": (
         AGENT + "test_tool_state_truncation_and_release",

@@ -294,3 +294,25 @@ def test_standalone_replicas_and_agent_workers_in_processes_of_their_own(ray_clu
     assert len(result.history) == 2  # measured: 0.91 and 0.5 tool calls per episode (sampled at T=1)
     assert all(m["agent/tool_calls"] > 0.3 and m["gateway/calls"] > 1.3 for m in result.history)
     assert all(m["agent/function_errors"] == 0 for m in result.history)
+
+
+def test_the_gateway_reads_calls_with_the_configured_tool_parser(calculator_model, tmp_path):
+    from trellis.rollout.tool_parser import HermesToolParser, tool_parsers
+
+    seen = []
+
+    class Recording(HermesToolParser):
+        def extract_tool_calls(self, text):
+            seen.append(text)
+            return super().extract_tool_calls(text)
+
+    tool_parsers.register("tests_recording", Recording, replace=True)
+    try:
+        tok = calculator_model[0]
+        out = rollout(
+            calculator_model, batch(tok, tmp_path), f"{CONTRIB_AGENT}:run", tool_parser="tests_recording"
+        )
+    finally:
+        tool_parsers.unregister("tests_recording")
+    assert out.meta_info["metrics"]["agent/tool_calls"] == 1.0
+    assert any(CALL in text for text in seen)  # rollout.agent.tool_parser's parser read the call
