@@ -174,6 +174,20 @@ def config(*overrides):
     return load_config(None, list(overrides))
 
 
+def one_tiny_step(run_dir, *overrides):
+    """Overrides of the tiny preset for one training step into ``run_dir``: no validation, no trackers."""
+    return [
+        *preset_overrides("tiny"),
+        f"trainer.run_dir={run_dir}",
+        "trainer.trackers=[]",
+        "trainer.resume_mode=disable",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        *overrides,
+    ]
+
+
 # ---------------------------------------------------------------- judge_score
 
 
@@ -517,20 +531,14 @@ def test_a_training_step_is_scored_by_the_external_judge(tmp_path, stub, functio
     reward_functions.register("tests_quarter", lambda **_: 0.25, replace=True)
     try:
         result = trellis.train(
-            overrides=[
-                *preset_overrides("tiny"),
-                f"trainer.run_dir={tmp_path}",
-                "trainer.trackers=[]",
-                "trainer.resume_mode=disable",
-                "trainer.total_training_steps=1",
-                "trainer.val_before_train=false",
-                "trainer.test_freq=-1",
+            overrides=one_tiny_step(
+                tmp_path,
                 f"reward.function={function}",
                 f"reward.placement={placement}",
                 "reward.model.placement=external",
                 f"reward.model.base_url={stub.url}",
                 "reward.model.path=stub-judge",
-            ]
+            )
         )
     finally:
         reward_functions.unregister("tests_quarter")
@@ -552,17 +560,13 @@ def test_a_training_step_is_scored_by_a_colocated_judge(tmp_path, tiny_model_pat
         "tests_answered", lambda data_source, solution_str, ground_truth, extra_info=None: 1.0, replace=True
     )
     cfg = config(
-        *preset_overrides("tiny"),
-        f"trainer.run_dir={tmp_path}",
-        "trainer.trackers=[]",
-        "trainer.resume_mode=disable",
-        "trainer.total_training_steps=1",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        "reward.function=null",
-        f"reward.model.path={tiny_model_path}",
-        "reward.model.function=tests_answered",
-        "reward.model.max_tokens=4",
+        *one_tiny_step(
+            tmp_path,
+            "reward.function=null",
+            f"reward.model.path={tiny_model_path}",
+            "reward.model.function=tests_answered",
+            "reward.model.max_tokens=4",
+        )
     )
     trainer = Trainer(cfg)
     try:
@@ -625,17 +629,13 @@ def test_a_training_step_is_scored_by_a_classifier(tmp_path, placement):
 
     path = save_tiny_classifier(tmp_path / "rm")
     cfg = config(
-        *preset_overrides("tiny"),
-        f"trainer.run_dir={tmp_path / 'run'}",
-        "trainer.trackers=[]",
-        "trainer.resume_mode=disable",
-        "trainer.total_training_steps=1",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        "reward.function=null",
-        f"reward.placement={placement}",
-        "reward.model.kind=classifier",
-        f"reward.model.path={path}",
+        *one_tiny_step(
+            tmp_path / "run",
+            "reward.function=null",
+            f"reward.placement={placement}",
+            "reward.model.kind=classifier",
+            f"reward.model.path={path}",
+        )
     )
     trainer = Scored(cfg)
     result = trainer.fit()
