@@ -63,6 +63,12 @@ def test_health_and_models(served):
     assert httpx.get(running.url + "/health").json() == {"status": "ok"}
     models = client(running).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    # reads open no session on a serving gateway: models are listed, an unknown capture is a 404
+    assert [m.id for m in client(running, "reader").models.list().data] == ["tiny"]
+    unknown = httpx.get(running.url + "/sessions/reader/trajectories")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
+    assert "opens a session at its first completion call" in unknown.json()["error"]["message"]
+    assert "reader" not in running.gateway.sessions
 
 
 def test_a_tool_using_agent_is_captured_token_exactly(served):
@@ -330,8 +336,9 @@ def test_trellis_serve_answers_and_stops_on_sigterm(tiny_model_path):
             model="tiny", prompt="12", max_tokens=1
         )
         assert len(httpx.get(other.replace("/v1", "/trajectories")).json()["trajectories"]) == 1
-        # eval-1 and its capture are gone (a request to it now opens a fresh session)
-        assert httpx.get(session.replace("/v1", "/trajectories")).json()["trajectories"] == []
+        # eval-1 and its capture are gone
+        gone = httpx.get(session.replace("/v1", "/trajectories"))
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=60)[0]
         assert proc.returncode == 0 and "Stopped." in rest

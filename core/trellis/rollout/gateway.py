@@ -418,14 +418,17 @@ class Gateway:
             self.router.release(session_id)  # its replica counts one session fewer
         return session
 
-    def _session(self, session_id: str | None) -> Session | None:
+    def _session(self, session_id: str | None, *, open_unknown: bool = True) -> Session | None:
+        """The open session ``session_id`` (None without one). An unknown id opens a session under
+        ``auto_sessions`` when ``open_unknown`` (a generating call), else gets a 404: reading a
+        capture or listing models must not open one."""
         if session_id is None:
             return None
         expired: list[Session] = []
         now = time.monotonic()
         with self._lock:
             session = self.sessions.get(session_id)
-            if session is None and self.auto_sessions:
+            if session is None and self.auto_sessions and open_unknown:
                 if (
                     self.session_idle_s is not None
                 ):  # the sessions idle too long go (under the lock: none in use)
@@ -441,11 +444,13 @@ class Gateway:
                 self.router.release(idle_session.id)  # its replica counts one session fewer
             self.metrics["gateway/sessions_expired"] += 1
         if session is None:
-            raise APIError(
-                404,
-                f"no open session {session_id!r}: sessions are opened by the trainer for each sample.",
-                code="session_not_found",
+            why = (
+                "a serving gateway opens a session at its first completion call, and closes it on"
+                " DELETE or after session_idle_s unused"
+                if self.auto_sessions
+                else "sessions are opened by the trainer for each sample"
             )
+            raise APIError(404, f"no open session {session_id!r}: {why}.", code="session_not_found")
         return session
 
     # ------------------------------------------------------------ app
@@ -468,7 +473,8 @@ class Gateway:
             return {"status": "ok"}
 
         async def models(session_id: str | None = None) -> dict[str, Any]:
-            self._session(session_id)
+            if not self.auto_sessions:  # a serving gateway lists its model under any session URL
+                self._session(session_id)
             card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "trellis"}
             return {"object": "list", "data": [card]}
 
@@ -479,7 +485,7 @@ class Gateway:
             return await self._completions(await _json(request), self._session(session_id))
 
         async def trajectories(session_id: str) -> dict[str, Any]:
-            session = self._session(session_id)
+            session = self._session(session_id, open_unknown=False)
             assert session is not None
             return {"session": session_id, "trajectories": [_trajectory_json(t) for t in session.samples()]}
 
