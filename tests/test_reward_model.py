@@ -645,14 +645,19 @@ def test_a_training_step_is_scored_by_a_classifier(tmp_path, placement):
     expected = []
     b = batch.batch
     width = b["prompts"].shape[1]
-    for i in range(len(batch)):  # no raw chat in the batch: the prompt is its tokens, decoded
-        prompt = trainer.tokenizer.decode(
+    # data.return_raw_chat is off, yet the batch keeps each prompt's messages for the reward model:
+    # the policy's templated prompt, decoded, carries the policy's role markers as text
+    assert not cfg.data.return_raw_chat and "raw_prompt" in batch.non_tensor_batch
+    for i in range(len(batch)):
+        messages = [{"role": m["role"], "content": m["content"]} for m in batch.non_tensor_batch["raw_prompt"][i]]
+        decoded = trainer.tokenizer.decode(
             b["prompts"][i][b["attention_mask"][i, :width].bool()].tolist(), skip_special_tokens=True
         )
+        assert decoded != messages[-1]["content"] and messages[-1]["content"] in decoded
         response = trainer.tokenizer.decode(
             b["responses"][i][b["response_mask"][i].bool()].tolist(), skip_special_tokens=True
         )
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        messages.append({"role": "assistant", "content": response})
         text = tok.apply_chat_template(messages, tokenize=False)
         with torch.no_grad():
             row = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])

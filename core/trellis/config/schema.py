@@ -78,7 +78,8 @@ class DataConfig(BaseConfig):
     return_raw_chat: bool = knob(
         False,
         "Also keep each prompt's chat messages untokenized in the batch, for agent loops that apply the "
-        "chat template themselves. Off to keep batches small.",
+        "chat template themselves. Off to keep batches small; the trainer keeps them anyway for an agent "
+        "loop other than single_turn and for a reward model (reward.model), which reads the messages.",
     )
     chat_template_kwargs: dict[str, Any] = knob(
         {}, "Extra keyword arguments of tokenizer.apply_chat_template, e.g. {enable_thinking: false}."

@@ -157,7 +157,13 @@ class Trainer:
         self.processor = hf_processor(
             cfg.model.tokenizer_path or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code
         )
-        needs_chat = cfg.data.return_raw_chat or cfg.rollout.agent.default_agent_loop != "single_turn"
+        # agent loops template the messages themselves, and a reward model reads the conversation:
+        # decoding the policy's templated prompt would hand it the policy's role markers as text
+        needs_chat = (
+            cfg.data.return_raw_chat
+            or cfg.rollout.agent.default_agent_loop != "single_turn"
+            or cfg.reward.model.enabled
+        )
         kwargs = dict(
             prompt_key=cfg.data.prompt_key,
             max_prompt_length=cfg.data.max_prompt_length,
