@@ -648,8 +648,8 @@ def test_a_training_step_is_scored_by_a_classifier(tmp_path, placement):
     # data.return_raw_chat is off, yet the batch keeps each prompt's messages for the reward model:
     # the policy's templated prompt, decoded, carries the policy's role markers as text
     assert not cfg.data.return_raw_chat and "raw_prompt" in batch.non_tensor_batch
-    for i in range(len(batch)):
-        messages = [{"role": m["role"], "content": m["content"]} for m in batch.non_tensor_batch["raw_prompt"][i]]
+    for i, raw in enumerate(batch.non_tensor_batch["raw_prompt"]):
+        messages = [{"role": m["role"], "content": m["content"]} for m in raw]
         decoded = trainer.tokenizer.decode(
             b["prompts"][i][b["attention_mask"][i, :width].bool()].tolist(), skip_special_tokens=True
         )
