@@ -383,6 +383,26 @@ def test_gradient_is_clipped_to_grad_clip(tiny_model_path):
     assert float(clipped) == pytest.approx(1e-3, rel=1e-3)
 
 
+def test_the_cpu_optimizer_is_fused_adamw(tiny_model_path):
+    """On the CPU the engine steps torch's fused AdamW (one pass over each tensor, not one per op):
+    its update equals a fused reference's on the same gradient, bit for bit."""
+    eng = engine(tiny_model_path, mbs=8)
+    assert eng.optimizer.param_groups[0]["fused"] is True
+    eng.forward_backward(make_batch(4), policy_loss_fn("token-mean"))
+    params = [p for p in eng.model.parameters() if p.requires_grad]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for copy_, p in zip(copies, params, strict=True):
+        copy_.grad = p.grad.clone()
+    group = eng.optimizer.param_groups[0]
+    reference = torch.optim.AdamW(
+        copies, lr=group["lr"], betas=group["betas"], weight_decay=group["weight_decay"], fused=True
+    )
+    torch.nn.utils.clip_grad_norm_(copies, eng.grad_clip)  # as the engine clips before stepping
+    eng.optimizer_step()
+    reference.step()
+    assert all(torch.equal(p, c) for p, c in zip(params, copies, strict=True))
+
+
 def train_steps(eng, steps, seed0):
     losses = []
     for step in range(steps):

@@ -17,8 +17,8 @@ set visit the device:
 - **Backward, layer by layer.** In training each decoder layer runs without saving activations
   (only its input); backward recomputes it, back-propagates through it, and copies each
   parameter's gradient to its host accumulator on a second stream as soon as it is accumulated.
-- **Optimizer on the host.** ``torch.optim.AdamW`` (``foreach``) steps the FP32 masters on the
-  CPU; the low-precision copies are then refreshed from the masters.
+- **Optimizer on the host.** ``torch.optim.AdamW`` (``fused``, as the ``single`` engine's on the CPU)
+  steps the FP32 masters on the CPU; the low-precision copies are then refreshed from the masters.
 
 With ``model.dtype: float32`` the losses and updated weights equal the ``single`` engine's (the
 same FP32 arithmetic in the same order); with bfloat16 the working copies are bfloat16 (no
@@ -340,11 +340,6 @@ class OffloadEngine(TrainingEngine):
         self._anchor = torch.zeros((), requires_grad=True)  # gives every layer's output a backward node
         self._build_states(module, layers, pin=self._pin)
         return module
-
-    def _optimizer_kwargs(self) -> dict[str, Any]:
-        # the host AdamW, vectorised over all masters; foreach (not fused) keeps the update bit-identical
-        # to the single engine's
-        return {"foreach": True}
 
     # ---------------------------------------------------------------- states
 

@@ -35,7 +35,8 @@ def build_optimizer(
     """``torch.optim.AdamW`` over ``params`` with the config's lr, betas and weight decay.
 
     Weight decay applies to every parameter (as in verl); AdamW's eps is PyTorch's 1e-8.
-    ``implementation``: AdamW's ``foreach`` / ``fused`` choice (the engine's; the update is the same).
+    ``implementation``: AdamW's ``foreach`` / ``fused`` choice (the engine's; the
+    same update up to float rounding, ~1e-8 after a few steps).
 
     Raises:
         ValueError: an optimizer name other than ``adamw``; no parameters to optimize.
