@@ -569,7 +569,7 @@ def test_every_model_and_role_setting_reaches_the_engine(tiny_model_path, monkey
     )
     assert trusted == [True]
     assert actor.dtype == torch.float16 and actor.use_remove_padding is False
-    assert actor.attn_implementation == "eager" and checkpointing(actor.model)
+    assert actor.attn_implementation == "trellis_eager" and checkpointing(actor.model)  # grouped heads
     assert actor.model.config.attention_dropout == 0.25
     assert (actor.micro_batch_size, actor.max_tokens, actor.grad_clip) == (3, 100, 0.5)
     group = actor.optimizer.param_groups[0]

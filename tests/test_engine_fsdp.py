@@ -263,7 +263,8 @@ def test_build_meta_model_is_load_model_without_storage(tiny_model_path, value_m
     loaded = load_model(config, value_model=value_model)
     meta = build_meta_model(config, value_model=value_model)
     assert type(meta) is type(loaded)
-    assert meta.config._attn_implementation == loaded.config._attn_implementation == "eager"
+    # eager on grouped heads loads as trellis_eager (trellis.engine.grouped_attention), in both
+    assert meta.config._attn_implementation == loaded.config._attn_implementation == "trellis_eager"
     assert not meta.training and not loaded.training
     for (name, tensor), (meta_name, meta_tensor) in zip(
         [*loaded.named_parameters(), *loaded.named_buffers()],

@@ -118,7 +118,7 @@ def test_attention_mask_is_block_diagonal_causal():
 def test_model_inputs_per_attention_implementation():
     ids, mask = padded_batch([2, 3], 3, "left")
     packed = pack(ids, mask)
-    for name in ("sdpa", "eager"):
+    for name in ("sdpa", "eager", "trellis_eager"):
         kwargs = packed.model_inputs(name, torch.float32)
         assert set(kwargs) == {"input_ids", "position_ids", "attention_mask"}
         assert kwargs["attention_mask"].shape == (1, 1, 5, 5)
@@ -182,10 +182,13 @@ def left_padded():
     return ids, mask, compare
 
 
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager", "trellis_eager"])
 def test_packed_forward_matches_padded(tiny_model_path, left_padded, attn_implementation):
     from transformers import AutoModelForCausalLM
 
+    from trellis.engine.grouped_attention import register_grouped_eager
+
+    register_grouped_eager()
     model = AutoModelForCausalLM.from_pretrained(
         tiny_model_path, attn_implementation=attn_implementation
     ).eval()

@@ -167,7 +167,8 @@ class ModelConfig(BaseConfig):
         "sdpa",
         "Attention kernel, as transformers names it (eager, sdpa, flash_attention_2, ...). sdpa runs on "
         "every device with nothing extra installed; with use_remove_padding it runs per packed sequence "
-        "(trellis_varlen_sdpa).",
+        "(trellis_varlen_sdpa). eager on a model with grouped key/value heads runs as trellis_eager: eager's "
+        "math without repeating each key/value head per query head (less memory kept for backward).",
     )
     gradient_checkpointing: bool = knob(
         False,

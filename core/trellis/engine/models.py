@@ -25,7 +25,7 @@ import torch
 
 from trellis.config.base import schema_default
 from trellis.config.schema import ModelConfig
-from trellis.engine import packing
+from trellis.engine import grouped_attention, packing
 from trellis.utils.settings import setting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,6 +118,10 @@ def _model_spec(model_config: Any, *, value_model: bool, path: str | None) -> tu
         attn_implementation = packing.VARLEN_SDPA
     if attn_implementation == packing.VARLEN_SDPA:  # ours: registered with transformers on first use
         packing.register_varlen_sdpa()
+    if attn_implementation == "eager" and grouped_attention.is_grouped(config):
+        # eager's math without repeating the key/value heads per query head (the copies autograd kept
+        # for backward were 3x the keys and values in SmolLM2)
+        attn_implementation = grouped_attention.register_grouped_eager()
     kwargs = {
         "config": config,
         "dtype": torch.float32,

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 VARLEN_SDPA = "trellis_varlen_sdpa"
-MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+MASK_IMPLEMENTATIONS = ("sdpa", "eager", "trellis_eager")  # trellis_eager: engine/grouped_attention.py
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4", VARLEN_SDPA)
 
 

@@ -96,7 +96,8 @@ def _demo(root: str) -> list[str]:
         # In bf16, eager attention (matmul, softmax, matmul): at the demo's lengths (a 60-token prompt, 8 x 16
         # response tokens) sdpa's CPU flash backward cost ~10 ms a call; eager made the update 0.80x and the
         # step 0.88x of sdpa's (AVX512-BF16, 2 cores). In float32 eager was 1.09x sdpa's
-        # (benchmarks/attention.py).
+        # (benchmarks/attention.py). SmolLM2's heads are grouped, so the engine runs it as trellis_eager (no
+        # repeated keys and values kept for backward: update 0.9x, peak -0.17 GiB; docs/performance.md).
         f"model.attn_implementation={'eager' if bf16 else 'sdpa'}",
         "rollout.mode=colocated",
         f"data.train_files=[{train}]",
