@@ -18,13 +18,7 @@ from trellis.engine import grouped_attention
 from trellis.engine.grouped_attention import GROUPED_EAGER, grouped_eager_forward, register_grouped_eager
 from trellis.engine.models import load_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Attention(torch.nn.Module):
