@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine_grouped_attention import saved_bytes
 
 from trellis.algorithms.logprobs import logprobs_from_logits
 from trellis.engine.packing import (
@@ -259,6 +260,57 @@ def test_varlen_sdpa_refuses_what_it_cannot_do():
         attention(SimpleNamespace(sliding_window=128), query, key, value, None, cu_seq_lens_q=cu_seqlens)
     with pytest.raises(ValueError, match=r"batch size 1, got query of shape \(2, 2, 4, 8\)"):
         attention(plain, torch.zeros(2, 2, 4, 8), key, value, None, cu_seq_lens_q=cu_seqlens)
+
+
+def test_varlen_sdpa_reads_grouped_heads_without_copies_on_the_cpu():
+    # 6 query heads on 2 key/value heads: padded with a mask (transformers' sdpa repeats the heads then)
+    # and packed; the same outputs and gradients, and no repeated keys and values kept for backward
+    from types import SimpleNamespace
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attention = AttentionInterface()[register_varlen_sdpa()]
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, 5, 8, generator=gen).requires_grad_()
+    key, value = (torch.randn(2, 2, 7, 8, generator=gen).requires_grad_() for _ in range(2))
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool).tril(diagonal=2)
+    mask[0, ..., :2] = False  # row 0: two padding keys
+    probe = torch.randn(2, 5, 6, 8, generator=gen)
+
+    def run(fn):
+        output = fn()[0]
+        return output.detach(), torch.autograd.grad((output * probe).sum(), (query, key, value))
+
+    ours, ours_grads = run(lambda: attention(module, query, key, value, mask, scaling=0.3))
+    theirs, their_grads = run(lambda: sdpa_attention_forward(module, query, key, value, mask, scaling=0.3))
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+    for mine, expected in zip(ours_grads, their_grads, strict=True):
+        torch.testing.assert_close(mine, expected, atol=1e-5, rtol=0)
+    repeated = 2 * 2 * 6 * 7 * 8 * 4  # keys and values repeated to (2, 6, 7, 8), float32
+    own = 2 * 2 * 2 * 7 * 8 * 4
+    ours_saved = saved_bytes(lambda: attention(module, query, key, value, mask, scaling=0.3))
+    their_saved = saved_bytes(lambda: sdpa_attention_forward(module, query, key, value, mask, scaling=0.3))
+    assert their_saved - ours_saved == repeated - own
+
+    # packed: sequences of 3 and 4 tokens, each causal on its own; the reference has the heads repeated
+    cu_seqlens = torch.tensor([0, 3, 7], dtype=torch.int32)
+    query = torch.randn(1, 6, 7, 8, generator=gen).requires_grad_()
+    key, value = (torch.randn(1, 2, 7, 8, generator=gen).requires_grad_() for _ in range(2))
+    probe = torch.randn(1, 7, 6, 8, generator=gen)
+
+    def packed(k, v):
+        return attention(module, query, k, v, None, cu_seq_lens_q=cu_seqlens)
+
+    ours, ours_grads = run(lambda: packed(key, value))
+    theirs, their_grads = run(lambda: packed(key.repeat_interleave(3, 1), value.repeat_interleave(3, 1)))
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+    for mine, expected in zip(ours_grads, their_grads, strict=True):
+        torch.testing.assert_close(mine, expected, atol=1e-5, rtol=0)
+    repeated, own = 2 * 6 * 7 * 8 * 4, 2 * 2 * 7 * 8 * 4
+    their_saved = saved_bytes(lambda: packed(key.repeat_interleave(3, 1), value.repeat_interleave(3, 1)))
+    assert their_saved - saved_bytes(lambda: packed(key, value)) == repeated - own
 
 
 # ---------------------------------------------------------------- micro-batches

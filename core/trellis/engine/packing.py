@@ -27,10 +27,11 @@ implementation (:meth:`PackedBatch.model_inputs`):
   ``attn_implementation=VARLEN_SDPA``): the same boundaries, and attention runs as one causal
   ``scaled_dot_product_attention`` per sequence, so work is O(Σ len²) without flash-attn.
   The per-sequence loop costs a Python call per sequence and layer, negligible next to a
-  model's matmuls. Without ``cu_seq_lens_q`` (a padded batch) it is plain ``sdpa``. On CPU
-  this is the fast path: in ``benchmarks/packing.py`` (2 cores, fp32, fwd + bwd) it ran
-  1.3-2.1x the tokens/s of padded micro-batches, while the 4-D mask path ran 0.4x (tiny model,
-  4096-token budget; 1.0x at 1024) to 1.2x (SmolLM2-135M).
+  model's matmuls. Without ``cu_seq_lens_q`` (a padded batch) it is plain ``sdpa``. On the CPU
+  grouped key/value heads are read as they are (``enable_gqa``), packed or padded, never copied
+  per query head. On CPU this is the fast path: in ``benchmarks/packing.py`` (2 cores, fp32,
+  fwd + bwd) it ran 1.3-2.1x the tokens/s of padded micro-batches, while the 4-D mask path ran
+  0.4x (tiny model, 4096-token budget; 1.0x at 1024) to 1.2x (SmolLM2-135M).
 
 :func:`split_by_token_budget` groups rows into micro-batches of at most ``max_tokens`` real
 tokens (few groups, balanced), and :func:`restore_order` undoes the grouping afterwards.
@@ -368,6 +369,19 @@ def register_varlen_sdpa() -> str:
     ) -> tuple[torch.Tensor, None]:
         cu_seqlens = kwargs.get("cu_seq_lens_q")
         if cu_seqlens is None:
+            if _grouped_masked_on_cpu(query, key, attention_mask, kwargs):
+                # transformers repeats the key/value heads when there is a mask (what CUDA's kernels need);
+                # the CPU kernel reads each head for its query heads, with the same numbers
+                output = torch.nn.functional.scaled_dot_product_attention(
+                    query,
+                    key,
+                    value,
+                    attn_mask=attention_mask,
+                    dropout_p=dropout,
+                    scale=scaling,
+                    enable_gqa=True,
+                )
+                return output.transpose(1, 2).contiguous(), None
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
@@ -376,6 +390,22 @@ def register_varlen_sdpa() -> str:
     AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_forward)
     AttentionMaskInterface.register(VARLEN_SDPA, sdpa_mask)  # padded batches keep their padding mask
     return VARLEN_SDPA
+
+
+def _grouped_masked_on_cpu(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
+) -> bool:
+    """Whether a padded call is grouped-query attention with a mask on the CPU, and nothing else
+    transformers' sdpa function handles (a position bias, soft-capping, returned weights)."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    return (
+        query.device.type == "cpu"
+        and attention_mask is not None
+        and kv_heads < heads
+        and heads % kv_heads == 0
+        and all(kwargs.get(name) is None for name in ("position_bias", "softcap"))
+        and not kwargs.get("output_attentions")
+    )
 
 
 def _varlen_sdpa(
@@ -409,9 +439,13 @@ def _varlen_sdpa(
             "pass PackedBatch.model_inputs(...) to the model."
         )
     repeats = query.shape[1] // key.shape[1]
+    grouped = False
     if repeats > 1:  # grouped-query attention: every query head reads its key/value head
-        key = key.repeat_interleave(repeats, dim=1)
-        value = value.repeat_interleave(repeats, dim=1)
+        if query.device.type == "cpu":  # the CPU kernel does so itself, without copies of the heads
+            grouped = True
+        else:
+            key = key.repeat_interleave(repeats, dim=1)
+            value = value.repeat_interleave(repeats, dim=1)
     half = query.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu")
     if query.device.type == "cpu" and half:
         # CPU attention kernels are several times slower backward in half precision than in float32
@@ -427,7 +461,7 @@ def _varlen_sdpa(
     # layer; 3x the attention's own backward time at 16 sequences of 75 tokens), that of a split one cat.
     outputs = [
         torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, scale=scaling, is_causal=True
+            q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=grouped
         )
         for q, k, v in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), strict=True)
     ]
