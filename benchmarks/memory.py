@@ -111,12 +111,15 @@ class HeapSampler:
         self._thread = threading.Thread(target=self._run, name="heap-sampler", daemon=True)
         self._thread.start()
 
+    def _sample(self) -> None:
+        info = mallinfo()
+        if info.get("uordblks", 0) > self.live:
+            self.live, self.held = info["uordblks"], info["arena"]
+
     def _run(self) -> None:
         while True:
             self._on.wait()
-            info = mallinfo()
-            if info.get("uordblks", 0) > self.live:
-                self.live, self.held = info["uordblks"], info["arena"]
+            self._sample()
             time.sleep(self.interval_s)
 
     @contextlib.contextmanager
@@ -127,9 +130,7 @@ class HeapSampler:
             yield self
         finally:
             self._on.clear()
-            info = mallinfo()  # the end counts too: a stage shorter than one interval
-            if info.get("uordblks", 0) > self.live:
-                self.live, self.held = info["uordblks"], info["arena"]
+            self._sample()  # the end counts too: a stage shorter than one interval
 
 
 def arena_free() -> list[tuple[int, int]]:

@@ -48,8 +48,10 @@ from typing import Any
 
 import torch
 
+from trellis.engine.grouped_attention import GROUPED_EAGER
+
 VARLEN_SDPA = "trellis_varlen_sdpa"
-MASK_IMPLEMENTATIONS = ("sdpa", "eager", "trellis_eager")  # trellis_eager: engine/grouped_attention.py
+MASK_IMPLEMENTATIONS = ("sdpa", "eager", GROUPED_EAGER)
 VARLEN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4", VARLEN_SDPA)
 
 
@@ -439,13 +441,12 @@ def _varlen_sdpa(
             "pass PackedBatch.model_inputs(...) to the model."
         )
     repeats = query.shape[1] // key.shape[1]
-    grouped = False
-    if repeats > 1:  # grouped-query attention: every query head reads its key/value head
-        if query.device.type == "cpu":  # the CPU kernel does so itself, without copies of the heads
-            grouped = True
-        else:
-            key = key.repeat_interleave(repeats, dim=1)
-            value = value.repeat_interleave(repeats, dim=1)
+    # grouped-query attention: every query head reads its key/value head; the CPU kernel does so itself,
+    # without copies of the heads
+    grouped = repeats > 1 and query.device.type == "cpu"
+    if repeats > 1 and not grouped:
+        key = key.repeat_interleave(repeats, dim=1)
+        value = value.repeat_interleave(repeats, dim=1)
     half = query.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu")
     if query.device.type == "cpu" and half:
         # CPU attention kernels are several times slower backward in half precision than in float32
