@@ -40,10 +40,11 @@ def test_preset_loads_into_a_valid_config(demo_cache, tiny_model_path):
 
 
 @pytest.mark.parametrize(
-    ("native", "dtype", "attn", "groups"), [(True, "bfloat16", "eager", 4), (False, "float32", "sdpa", 2)]
+    ("native", "dtype", "attn", "groups", "rows"),
+    [(True, "bfloat16", "eager", 4, 128), (False, "float32", "sdpa", 2, 64)],
 )
 def test_demo_trains_in_bf16_only_where_the_cpu_computes_it_natively(
-    demo_cache, monkeypatch, native, dtype, attn, groups
+    demo_cache, monkeypatch, native, dtype, attn, groups, rows
 ):
     monkeypatch.setattr("trellis.recipes.presets.native_bf16", lambda: native)
     config = load_config(None, preset_overrides("demo"))
@@ -53,6 +54,8 @@ def test_demo_trains_in_bf16_only_where_the_cpu_computes_it_natively(
     # weights freed while training and the fused RMSNorm
     assert config.actor.ppo_micro_batch_size_per_device == groups * config.rollout.n
     assert config.rollout.engine_kwargs["sleep_level"] == 2 and config.model.fused_kernels == ["rms_norm"]
+    # the replica's rows at once: the final validation's KV cache and activations set float32's peak at 128
+    assert config.rollout.engine_kwargs["max_batch_size"] == rows
 
 
 def test_heldout_accuracy_reads_the_first_and_last_validation():

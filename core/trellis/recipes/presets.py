@@ -126,10 +126,13 @@ def _demo(root: str) -> list[str]:
         # weight sync, which loads them again: the update has that memory
         "rollout.engine_kwargs.sleep_level=2",
         "actor.optim.lr=2e-5",
-        # the replica decodes at most 128 rows at once: the final validation's 200 prompts at once held
-        # 1.3 GiB of KV cache and set the run's peak (4.83 GiB resident; a whole run at 128 rows: 4.22 GiB;
-        # about 2 s slower per validation)
-        "rollout.engine_kwargs.max_batch_size=128",
+        # the replica decodes at most 128 rows at once in bf16, 64 in float32: the final validation's 200
+        # prompts at once held 1.3 GiB of KV cache and set the run's peak (4.83 GiB resident; a whole run
+        # at 128 rows: 4.22 GiB; about 2 s slower per validation). In float32 (an AVX2-only AMD EPYC)
+        # the final validation at 128 rows still set the peak, 4.86 GiB = 5.2 GB against training's
+        # 4.02: malloc's live bytes rose 0.97 GiB over the training rollout's 64 rows; at 64 rows its
+        # peak was 4.17 GiB (benchmarks/memory.py --stages --heap-live trainer.test_freq=3).
+        f"rollout.engine_kwargs.max_batch_size={128 if bf16 else 64}",
         "trainer.total_training_steps=40",
         "trainer.test_freq=40",  # validate before the first step and after the last only
         "trainer.save_freq=-1",
