@@ -39,6 +39,11 @@ on the event loop's thread"): 5 min 18 s, steps of 7.4 s (generation 2.4 s, upda
 5.0% -> 58.0%, peak 4.58 GiB. With the replica's large weights packed for oneDNN while it decodes
 (docs/performance.md, "Weights packed for oneDNN"): 5 min 2 s and 5 min 34 s in two runs on the
 noisy host, steps of 6.9 and 7.1 s (generation 2.07 and 2.17 s), 5.0% -> 58.0% both, peak 4.60 GiB.
+On 2 cores of an AMD EPYC with AVX2 only (float32, sdpa, two groups a micro-batch): 13 min 37 s and
+12 min 55 s, steps of 17.8 s (generation 4.7 s, update 12.9 s: about 60% of the 155 GFLOP/s that
+two threads' float32 matmuls reach there), 4.0% -> 57.5%, peak 4.86 / 4.87 GiB in the final
+validation at 128 rows at once; with the replica capped at 64 rows in float32: 13 min 5 s,
+4.0% -> 57.5%, peak 4.18 GiB (docs/performance.md, "The final validation in float32").
 """
 
 from __future__ import annotations
