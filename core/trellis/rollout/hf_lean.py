@@ -40,6 +40,7 @@ the model or its layers run on prefills only (``decode_step: hf`` runs them on e
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 MODEL_TYPES = ("llama", "qwen2")
@@ -58,7 +59,8 @@ than ``F.linear``'s, which a smaller weight's multiply does not win back (fp32, 
 PACK_ROWS_HINT = 32
 """The row count oneDNN packs for; the packed weight serves any number of rows (4-64 measured alike)."""
 PACKED_DTYPES = ("float32", "bfloat16")
-"""Weight dtypes packed: the ones oneDNN multiplies on every x86 CPU."""
+"""Weight dtypes packed where this CPU's oneDNN packs them (:func:`packed_dtypes`): float32 on every x86
+CPU, bfloat16 only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; oneDNN refuses bf16 on AVX2 alone."""
 TRANSPOSE_MIN_ROWS = 4
 """Fewest rows multiplied through a transposed copy: one to three rows run a GEMV, at least as fast on
 the original layout. A packed copy serves any number of rows: at one to three rows it is as fast as
@@ -78,8 +80,29 @@ def _packable(weights: list[Any]) -> bool:
         sum(w.numel() for w in weights) >= PACK_MIN_ELEMENTS
         and all(w.device.type == "cpu" for w in weights)
         and len(dtypes) == 1
-        and dtypes <= set(PACKED_DTYPES)
+        and dtypes <= set(packed_dtypes())
     )
+
+
+@functools.cache
+def packed_dtypes() -> tuple[str, ...]:
+    """The dtypes of :data:`PACKED_DTYPES` this CPU's oneDNN packs: each tried once on a small weight.
+
+    oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises on a CPU with AVX2
+    alone (an AMD EPYC of that kind here), where such weights keep their original layout instead."""
+    import torch
+
+    if not packed_layout_available():
+        return ()
+    usable = []
+    for name in PACKED_DTYPES:
+        weight = torch.zeros(16, 16, dtype=getattr(torch, name))
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        except RuntimeError:
+            continue
+        usable.append(name)
+    return tuple(usable)
 
 
 def packed_layout_available() -> bool:
