@@ -35,6 +35,7 @@ CASES = {
     "bfloat16": ("actor", "token-mean", True, None, 4, {"dtype": "bfloat16"}),
 }
 TOLERANCE = {"bfloat16": 5e-2}  # FSDP casts the weights, single autocasts the ops: close, not equal
+LR = 1e-2
 
 # name -> (case of CASES, offload.param and offload.optimizer): engines whose loaded state is compared
 LOAD_CASES = {
@@ -54,10 +55,23 @@ def _build(engine_cls, path, case, offload=False, **kwargs):
         ppo_micro_batch_size_per_device=2,
         use_dynamic_bsz=budget is not None,
         max_token_len_per_micro_batch=budget or 16384,
-        optim=OptimConfig(lr=1e-2),
+        optim=OptimConfig(lr=LR),
         offload=OffloadConfig(param=offload, optimizer=offload),
     )
     return engine_cls(model, role_config, role=role, device="cpu", **kwargs)
+
+
+def _assert_close_after_adam(actual, expected, tol, steps, msg):
+    """``actual`` within ``tol`` of ``expected`` after ``steps`` AdamW steps at :data:`LR`, but for at most
+    one element in a thousand, each within ``2 * LR * steps`` (or ``tol``, if larger). Adam's step is
+    ``lr * m / (sqrt(v) + eps)``: where a gradient is near ``eps`` (1e-8), its rounding (the order the
+    reductions sum in, which the CPU's vector width changes) moves the step by up to ``lr``; one element
+    of 8192 did on an AVX2-only CPU. A wrong shard or a lost gradient moves whole rows."""
+    diff = (actual - expected).abs()
+    off = diff > tol
+    count = int(off.sum())
+    assert count <= max(1, expected.numel() // 1000), f"{msg}: {count} elements off by more than {tol}"
+    assert float(diff.max()) <= max(tol, 2 * LR * steps), f"{msg}: off by {float(diff.max())}"
 
 
 def _run_case(engine, case, rows):
@@ -185,7 +199,7 @@ def test_fsdp_matches_single(fsdp_results, tiny_model_path, case):
         assert r["step"]["stepped"] and r["step"]["lr"] == expected["step"]["lr"]
         assert r["params"].keys() == expected["params"].keys()
         for name, tensor in expected["params"].items():
-            torch.testing.assert_close(r["params"][name], tensor, atol=tol, rtol=0, msg=name)
+            _assert_close_after_adam(r["params"][name], tensor, tol, steps=1, msg=name)
     moved = [
         name
         for name, tensor in expected["params"].items()
@@ -252,7 +266,7 @@ def test_fsdp_ranks_hold_rank0_weights(fsdp_results, tiny_model_path, name):
         losses, params = loaded["steps"]
         assert losses == pytest.approx(expected_losses, abs=1e-5), f"rank {rank}"
         for key, tensor in expected_params.items():
-            torch.testing.assert_close(params[key], tensor, atol=1e-5, rtol=0, msg=f"rank {rank}: {key}")
+            _assert_close_after_adam(params[key], tensor, 1e-5, steps=2, msg=f"rank {rank}: {key}")
 
 
 @pytest.mark.parametrize("value_model", [False, True])

@@ -279,7 +279,10 @@ def test_sleep_level_2_frees_the_weights_and_a_full_update_brings_them_back(tiny
 
     before, after, held, freed, buffers = run(tiny_model_path, body, sleep_level=2)
     assert held > 0 and freed == 0 and buffers > 0  # the rotary tables stay
-    assert after.token_ids == before.token_ids and after.log_probs == before.log_probs
+    # the same weights: the same tokens, and log-probs to float rounding (oneDNN's kernels may sum in
+    # another order for buffers at other addresses: one of six differed by 1 ulp on an AVX2-only CPU)
+    assert after.token_ids == before.token_ids
+    assert after.log_probs == pytest.approx(before.log_probs, abs=1e-5)
 
 
 def test_sleep_level_is_checked(tiny_model_path, hf):
