@@ -95,7 +95,10 @@ class RolloutReplicaContract(RegistryEntryContract):
             if self.mode == "hybrid":
                 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-                kwargs["model"] = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32")
+                from trellis.utils.auto_model import no_hub_kernels, without_hub_kernels
+
+                model = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32", **no_hub_kernels())
+                kwargs["model"] = without_hub_kernels(model)
                 kwargs["tokenizer"] = AutoTokenizer.from_pretrained(model_path)
             await replica.init(self.mode, **kwargs)
             try:

@@ -21,3 +21,29 @@ def policy_auto_class(config: Any) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def no_hub_kernels() -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that load a model without transformers' Hub kernels
+    (:func:`without_hub_kernels` says why): ``{"use_kernels": False}`` from transformers 5, where
+    kernelizing became the default, else none (older releases take no such argument or default to off)."""
+    import transformers
+
+    return {"use_kernels": False} if int(transformers.__version__.split(".")[0]) >= 5 else {}
+
+
+def without_hub_kernels(model: Any) -> Any:
+    """``model`` with transformers' Hub kernels turned off; returns it.
+
+    transformers 5 kernelizes every model it loads when the ``kernels`` package is installed (it is a
+    dependency of transformers): on each ``train()`` / ``eval()`` that changes the mode it swaps the
+    forwards of layers it has a mapping for (RMSNorm, rotary embedding, SiLU, ...) for kernels fetched
+    from the Hugging Face Hub and run as remote code, per device and per mode. On an accelerator that
+    means a download in the middle of a step, other kernels in training than in forward-only passes (the
+    old log-probs, the rollout), and a walk of every module at each switch (about 1 ms on the tiny model
+    and 4 ms on SmolLM2-135M even on the CPU, where no kernel applies). Trellis' own fused kernels are
+    ``model.fused_kernels``. Older transformers without the feature are left as they are.
+    """
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False  # transformers' reset: torch forwards, no kernelize on a mode switch
+    return model
