@@ -3,7 +3,7 @@
     python benchmarks/roofline.py [--threads 1] [--batch 16] [--seq 128] [--decode-tokens 16]
         [--repeats 3] [--smollm2-repeats 1] [--no-smollm2]
 
-Three tables, all measured in this run (the helpers and the formulas are in ``benchmarks/_roofline.py``):
+Four tables, all measured in this run (the helpers and the formulas are in ``benchmarks/_roofline.py``):
 
 1. Limits, at 1 torch thread and at every core (and at torch's default count, if different):
    the best ``torch.mm`` FLOP/s of square matrices (512, 1024, 2048; fp32 and bf16) and the best
@@ -22,6 +22,13 @@ Three tables, all measured in this run (the helpers and the formulas are in ``be
    16-token prompt) at batch 1 and 64: decode tokens/s is ``batch * (n - 1) / (t(n) - t(1))``
    with ``t(k)`` the time to generate ``k`` tokens (``n = --decode-tokens``), so the prefill is
    left out, as a fraction of the decode roofline.
+4. The ``hf`` replica's own decoding step (``trellis.rollout.hf_lean.LeanDecoder``, in the layout the
+   replica picks here: ``packed`` on a CPU with oneDNN) at 1, 8, 32 and 64 rows over a
+   ``LEAN_CONTEXT``-token cache: tokens/s of the whole step (best of ``--repeats``) and of its
+   matmuls alone (their self time in a ``torch.profiler`` run of the same steps: the oneDNN packed
+   multiplies, ``mm`` and ``addmm``), each as a fraction of the decode roofline at that many rows.
+   The matmuls' figure is the most the step could reach with this machine's GEMM at those shapes,
+   however little the rest of the step cost.
 
 Models: the tiny test model (built into a temporary folder) and SmolLM2-135M-Instruct when
 ``trellis.utils.demo_model.smollm2_path()`` can provide it (skipped with a note otherwise). On
@@ -55,6 +62,11 @@ from _roofline import (
 
 DECODE_BATCHES = (1, 64)
 DECODE_PROMPT = 16
+LEAN_ROWS = (1, 8, 32, 64)
+LEAN_CONTEXT = 64
+"""Cached tokens per row when the lean step is timed (about a grpo_vs_trl prompt and half its response)."""
+MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
+"""The ops whose self time is the lean step's matmul time (packed multiplies, and plain ones)."""
 
 
 def best_seconds(fn: Callable[[], object], repeats: int, warmup: Callable[[], object] | None = None) -> float:
@@ -104,6 +116,48 @@ def measure(model: torch.nn.Module, args: argparse.Namespace, repeats: int) -> d
         first = best_seconds(lambda: generate(1), repeats)
         steps = best_seconds(lambda n=n: generate(n), repeats, lambda: generate(2)) - first
         out[f"decode{batch}"] = batch * (n - 1) / max(steps, 1e-9)
+    out.update(lean_step(model, repeats))
+    return out
+
+
+def lean_step(model: torch.nn.Module, repeats: int) -> dict[str, float]:
+    """Seconds of one ``LeanDecoder`` step, and of its matmuls alone, per row count in LEAN_ROWS."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trellis.rollout.hf_lean import KVBuffers, LeanDecoder, lean_unsupported, packed_layout_available
+
+    if lean_unsupported(model) is not None:
+        return {}
+    decoder = LeanDecoder(model, layout="packed" if packed_layout_available() else "plain")
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    generator = torch.Generator().manual_seed(1)
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        for rows in LEAN_ROWS:
+            shape = (rows, kv_heads, LEAN_CONTEXT, head_dim)
+            pairs = [
+                (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+                for _ in model.model.layers
+            ]
+            tokens = torch.randint(0, config.vocab_size, (rows,), generator=generator)
+            positions = torch.full((rows,), LEAN_CONTEXT)
+            mask = torch.ones(rows, LEAN_CONTEXT + 1)
+
+            cache = KVBuffers(pairs, LEAN_CONTEXT + 1)
+
+            def step(cache: KVBuffers = cache, tokens=tokens, positions=positions, mask=mask) -> None:
+                cache.width = LEAN_CONTEXT  # every call decodes the same step: its column is overwritten
+                decoder.step(tokens, positions, mask, cache)
+
+            out[f"lean{rows}"] = best_seconds(step, repeats)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(repeats):
+                    step()
+            self_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS)
+            out[f"lean_matmul{rows}"] = self_us / 1e6 / repeats
     return out
 
 
@@ -165,6 +219,7 @@ def main() -> None:
             del model
     print_bounds(rows, limits, args)
     print_achieved(rows, limits, args)
+    print_lean(rows, limits)
     if note:
         print(note)
 
@@ -215,6 +270,28 @@ def print_achieved(rows: list[tuple[str, ModelShape, dict[str, float]]], limits:
             f"{out['update']:>9.3f} {upd / GIGA:>11.1f} {100 * upd / limits.fp32_flops:>5.1f}% "
             f"{cells[0]} {cells[1]}"
         )
+
+
+def print_lean(rows: list[tuple[str, ModelShape, dict[str, float]]], limits: Limits) -> None:
+    print(
+        f"\nThe hf replica's decoding step (LeanDecoder) at {limits.threads} thread(s), fp32, over a "
+        f"{LEAN_CONTEXT}-token cache: tokens/s of the whole step and of its matmuls alone (their self time "
+        f"under the profiler: {', '.join(MATMUL_OPS)}), each as % of the decode roofline at that many rows"
+    )
+    print(
+        f"{'model':<13} {'rows':>4} {'roofline tok/s':>15} {'step tok/s':>11} {'%':>6} "
+        f"{'matmuls tok/s':>14} {'%':>6}"
+    )
+    for label, shape, out in rows:
+        for count in LEAN_ROWS:
+            if f"lean{count}" not in out:
+                continue
+            bound, kind = decode_roofline(shape, count, limits)
+            step, matmul = count / out[f"lean{count}"], count / max(out[f"lean_matmul{count}"], 1e-9)
+            print(
+                f"{label:<13} {count:>4} {bound:>14,.0f}{kind[0]} {step:>11,.0f} {100 * step / bound:>5.1f}% "
+                f"{matmul:>14,.0f} {100 * matmul / bound:>5.1f}%"
+            )
 
 
 if __name__ == "__main__":
