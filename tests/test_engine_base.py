@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -381,6 +382,47 @@ def test_gradient_is_clipped_to_grad_clip(tiny_model_path):
     assert result["grad_norm"] > 1e-3  # the norm before clipping; the gradient stepped on is clipped:
     clipped = torch.nn.utils.get_total_norm([p.grad for p in eng.model.parameters() if p.grad is not None])
     assert float(clipped) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_a_tied_embedding_passes_back_its_rows_sparse_into_the_same_dense_gradient(tiny_model_path):
+    batch = make_batch(8)
+    sparse, dense = engine(tiny_model_path, mbs=3), engine(tiny_model_path, mbs=3)
+    embedding = sparse.model.get_input_embeddings()
+    assert sparse.sparse_embedding_grad is True and embedding.sparse is True
+    assert embedding.weight is sparse.model.get_output_embeddings().weight  # the tiny model ties them
+    dense.model.get_input_embeddings().sparse = False  # the plain path, for reference
+    for eng in (sparse, dense):
+        eng.forward_backward(batch, policy_loss_fn("token-mean"))
+    grad = embedding.weight.grad
+    assert grad.layout == torch.strided and grad.shape == embedding.weight.shape
+    assert_close_dicts(grads(sparse), grads(dense), atol=1e-7)
+    assert grad.abs().sum() > 0
+    for eng in (sparse, dense):
+        step = eng.optimizer_step()
+        assert step["stepped"] and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
+    after = {name: p.detach().clone() for name, p in sparse.model.named_parameters()}
+    assert_close_dicts(after, {name: p.detach() for name, p in dense.model.named_parameters()}, atol=1e-6)
+
+
+def test_embeddings_stay_dense_where_untied_frozen_or_a_critic(tiny_model_path, tmp_path):
+    from trellis.recipes.tiny import save_tiny_model
+
+    untied = save_tiny_model(tmp_path / "untied", tie_word_embeddings=False)
+    for eng in (engine(untied), engine(tiny_model_path, role="ref"), engine(tiny_model_path, role="critic")):
+        assert eng.sparse_embedding_grad is False
+        assert eng.model.get_input_embeddings().sparse is False
+
+
+def test_densify_grads_turns_a_sparse_gradient_dense_with_its_values():
+    from trellis.engine.models import densify_grads
+
+    model = torch.nn.Embedding(6, 3, sparse=True)
+    model(torch.tensor([1, 4, 1])).sum().backward()
+    assert model.weight.grad.is_sparse
+    densify_grads(model)
+    grad = model.weight.grad
+    assert grad.layout == torch.strided
+    assert grad[:, 0].tolist() == [0.0, 2.0, 0.0, 0.0, 1.0, 0.0]
 
 
 def test_the_cpu_optimizer_is_fused_adamw(tiny_model_path):

@@ -74,7 +74,7 @@ from trellis.engine import lora, packing, sequence_parallel, shared_prompt
 from trellis.engine import multimodal as multimodal_forward
 from trellis.engine.fused import apply_fused_kernels
 from trellis.engine.micro_batch import MetricAccumulator, global_batch_info, micro_batch_groups
-from trellis.engine.models import compute_dtype, decoder_layers, load_model, model_setting
+from trellis.engine.models import compute_dtype, decoder_layers, densify_grads, load_model, model_setting
 from trellis.engine.optim import build_lr_scheduler, build_optimizer
 from trellis.errors import EngineError
 from trellis.utils.memory import host_memory
@@ -130,6 +130,9 @@ class TrainingEngine:
     name: ClassVar[str] = "base"
     supports_sequence_parallel: ClassVar[bool] = False
     """Whether the engine can split sequences over ranks (``ulysses_sequence_parallel_size`` > 1)."""
+    sparse_embedding_grad: bool = False
+    """Whether the tied input embedding passes back only its looked-up rows
+    (:func:`trellis.engine.models.sparse_tied_embedding_grad`; ``single`` only)."""
 
     def __init__(
         self,
@@ -394,6 +397,8 @@ class TrainingEngine:
             loss.backward()
             total_loss += loss.detach().to(torch.float64)
             metrics.add(step_metrics, micro.tensors["response_mask"].sum())
+        if self.sparse_embedding_grad:
+            densify_grads(self.model)
         result = metrics.reduce(self._union_keys(list(metrics.sums)), self._all_reduce)
         result["loss"] = float(self._all_reduce(total_loss, "sum")) / self.dp_size
         return result

@@ -151,3 +151,37 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's transformer blocks: modules whose class the model lists in ``_no_split_modules``."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def sparse_tied_embedding_grad(model: torch.nn.Module) -> bool:
+    """Make a trained input embedding that is tied to the output layer pass back only the rows it
+    looked up (``nn.Embedding.sparse``); whether it did.
+
+    A tied weight's gradient is the output layer's (dense: a matmul over the whole vocabulary) plus the
+    lookup's (nonzero only at the looked-up rows). Dense, the lookup's share is built as a zero
+    ``(vocab, hidden)`` tensor with those rows scattered in and then added to the output layer's out of
+    place: two more vocabulary-sized tensors per pass (113 MB each for SmolLM2-135M in float32). Sparse,
+    autograd adds the rows into the output layer's gradient in place. The sum is dense either way, so
+    optimizers and gradient clipping see what they always see, with the same values.
+
+    Left dense (False): an embedding that is not tied, not an ``nn.Embedding`` or not trained (``ref``,
+    LoRA). Only for engines that hold whole parameters (``single``): sharded (``fsdp``) and streamed
+    (``offload``) parameters take dense gradients.
+    """
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if not isinstance(embedding, torch.nn.Embedding) or head is None:
+        return False
+    weight = embedding.weight
+    if getattr(head, "weight", None) is not weight or not weight.requires_grad:
+        return False
+    embedding.sparse = True
+    return True
+
+
+def densify_grads(model: torch.nn.Module) -> None:
+    """Turn any sparse ``.grad`` of ``model`` dense: a tied embedding whose output layer took no part in
+    a backward pass (:func:`sparse_tied_embedding_grad`) would otherwise reach the optimizer sparse."""
+    for param in model.parameters():
+        if param.grad is not None and param.grad.is_sparse:
+            param.grad = param.grad.to_dense()

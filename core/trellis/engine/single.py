@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from trellis.engine.base import HOST, TrainingEngine
+from trellis.engine.models import sparse_tied_embedding_grad
 
 
 class SingleEngine(TrainingEngine):
@@ -27,6 +28,7 @@ class SingleEngine(TrainingEngine):
     name = "single"
 
     def _wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.sparse_embedding_grad = sparse_tied_embedding_grad(module)
         return module.to(HOST if self.offload_param else self.device)  # offloaded: phases bring it in
 
     def _compute_context(self) -> contextlib.AbstractContextManager:
