@@ -67,6 +67,31 @@ def train_and_print_timings(overrides: list[str], threads: int, label: str) -> N
     print(json.dumps({"side": label, "steps": steps, "peak_rss_gib": peak_rss_bytes() / GIB}), flush=True)
 
 
+def side_parser(description: str) -> Any:
+    """An ``argparse`` parser with the options of a side-by-side preset benchmark: ``--steps``,
+    ``--rounds``, ``--threads``, ``--preset`` and trailing ``key=value`` overrides; the script adds its
+    own ``--side`` (the child's mode) and sides."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=4, help="steps a side and round (1st dropped)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating the order")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    parser.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    return parser
+
+
+def run_script_side(script: str, side: str, args: Any, label: str | None = None) -> dict:
+    """:func:`run_fresh_side` of ``script --side side`` with ``args``' steps, threads, preset and
+    overrides (a :func:`side_parser` namespace); ``label`` names it in errors (default ``side``)."""
+    import sys
+
+    command = [sys.executable, script, "--side", side, "--steps", str(args.steps)]
+    command += ["--threads", str(args.threads), "--preset", args.preset, *args.overrides]
+    return run_fresh_side(command, args.threads, label or side)
+
+
 def run_fresh_side(command: list[str], threads: int, label: str) -> dict:
     """Run ``command`` (a script's ``--side`` mode, which calls :func:`train_and_print_timings`) in a
     fresh process with ``threads`` OpenMP threads; its JSON line, the first step dropped (it faults the

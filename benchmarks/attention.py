@@ -35,7 +35,8 @@ import sys
 # benchmarks/_common.py: the script's own folder
 from _common import (
     compare_sides,
-    run_fresh_side,
+    run_script_side,
+    side_parser,
     train_and_print_timings,
     training_only,
 )
@@ -58,24 +59,13 @@ def side(args: argparse.Namespace) -> None:
     train_and_print_timings(overrides, args.threads, args.side)
 
 
-def run_side(args: argparse.Namespace, attn: str) -> dict:
-    command = [sys.executable, __file__, "--side", attn, "--steps", str(args.steps)]
-    command += ["--threads", str(args.threads), "--preset", args.preset, *args.overrides]
-    return run_fresh_side(command, args.threads, attn)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="steps a side and round (1st dropped)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating the order")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
-    parser.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    parser = side_parser(__doc__.split("\n")[0])
     parser.add_argument(
         "--attn", nargs="+", default=["sdpa", "eager"],
         help=f"kernels (KERNEL{NATIVE_DECODE}: decode attention in the model's dtype); the 1st is the base",
     )  # fmt: skip
     parser.add_argument("--side", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (the first step of each side is dropped), got {args.steps}")
@@ -83,7 +73,8 @@ def main() -> int:
         side(args)
         return 0
 
-    compare_sides("attention", args.attn, args, lambda attn: run_side(args, attn), peaks=False)
+    run = lambda attn: run_script_side(__file__, attn, args)  # noqa: E731
+    compare_sides("attention", args.attn, args, run, peaks=False)
     return 0
 
 

@@ -31,27 +31,17 @@ import sys
 # benchmarks/_common.py: the script's own folder
 from _common import (
     compare_sides,
-    run_fresh_side,
+    run_script_side,
+    side_parser,
     train_and_print_timings,
     training_only,
 )
 
 
-def run_side(args: argparse.Namespace, size: str) -> dict:
-    command = [sys.executable, __file__, "--side", size, "--steps", str(args.steps)]
-    command += ["--threads", str(args.threads), "--preset", args.preset, *args.overrides]
-    return run_fresh_side(command, args.threads, f"micro-batch {size}")
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = side_parser(__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32], help="rows; the 1st is the base")
-    parser.add_argument("--steps", type=int, default=4, help="steps a side and round (1st dropped)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating the order")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
-    parser.add_argument("--preset", default="demo", choices=["demo", "tiny"])
     parser.add_argument("--side", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (the first step of each side is dropped), got {args.steps}")
@@ -64,7 +54,8 @@ def main() -> int:
         return 0
 
     sizes = [str(size) for size in args.sizes]
-    compare_sides("micro-batch rows", sizes, args, lambda size: run_side(args, size))
+    run = lambda size: run_script_side(__file__, size, args, f"micro-batch {size}")  # noqa: E731
+    compare_sides("micro-batch rows", sizes, args, run)
     return 0
 
 

@@ -23,25 +23,14 @@ import argparse
 import sys
 
 # benchmarks/_common.py: the script's own folder
-from _common import compare_sides, run_fresh_side, train_and_print_timings, training_only
+from _common import compare_sides, run_script_side, side_parser, train_and_print_timings, training_only
 
 SIDES = ("dense", "sparse")
 
 
-def run_side(args: argparse.Namespace, side: str) -> dict:
-    command = [sys.executable, __file__, "--side", side, "--steps", str(args.steps)]
-    command += ["--threads", str(args.threads), "--preset", args.preset, *args.overrides]
-    return run_fresh_side(command, args.threads, side)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="steps a side and round (1st dropped)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating the order")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
-    parser.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    parser = side_parser(__doc__.split("\n")[0])
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (the first step of each side is dropped), got {args.steps}")
@@ -54,7 +43,7 @@ def main() -> int:
         train_and_print_timings(overrides, args.threads, args.side)
         return 0
 
-    compare_sides("embedding gradient", list(SIDES), args, lambda side: run_side(args, side))
+    compare_sides("embedding gradient", list(SIDES), args, lambda side: run_script_side(__file__, side, args))
     return 0
 
 

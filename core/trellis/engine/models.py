@@ -153,7 +153,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def sparse_tied_embedding_grad(model: torch.nn.Module) -> bool:
+def sparse_tied_embedding_grad(model: Any) -> bool:
     """Make a trained input embedding that is tied to the output layer pass back only the rows it
     looked up (``nn.Embedding.sparse``); whether it did.
 
