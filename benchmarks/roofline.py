@@ -130,14 +130,11 @@ def lean_step(model: torch.nn.Module, repeats: int) -> dict[str, float]:
         return {}
     decoder = LeanDecoder(model, layout="packed" if packed_layout_available() else "plain")
     config = model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     generator = torch.Generator().manual_seed(1)
     out: dict[str, float] = {}
     with torch.no_grad():
         for rows in LEAN_ROWS:
-            shape = (rows, kv_heads, LEAN_CONTEXT, head_dim)
+            shape = (rows, decoder.kv_heads, LEAN_CONTEXT, decoder.head_dim)
             pairs = [
                 (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
                 for _ in model.model.layers
@@ -145,7 +142,6 @@ def lean_step(model: torch.nn.Module, repeats: int) -> dict[str, float]:
             tokens = torch.randint(0, config.vocab_size, (rows,), generator=generator)
             positions = torch.full((rows,), LEAN_CONTEXT)
             mask = torch.ones(rows, LEAN_CONTEXT + 1)
-
             cache = KVBuffers(pairs, LEAN_CONTEXT + 1)
 
             def step(cache: KVBuffers = cache, tokens=tokens, positions=positions, mask=mask) -> None:

@@ -1,4 +1,4 @@
-"""transformers' Hub kernels stay off in every model Trellis loads (``without_hub_kernels``).
+"""transformers' Hub kernels stay off in every model Trellis loads (``load_pretrained``).
 
 transformers 5 kernelizes each loaded model when the ``kernels`` package is installed, and again at
 every ``train()`` / ``eval()`` that changes the mode: on an accelerator that fetches layer kernels

@@ -26,7 +26,7 @@ import torch
 from trellis.config.base import schema_default
 from trellis.config.schema import ModelConfig
 from trellis.engine import grouped_attention, packing
-from trellis.utils.auto_model import no_hub_kernels, without_hub_kernels
+from trellis.utils.auto_model import load_pretrained
 from trellis.utils.settings import setting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,7 +69,7 @@ def load_model(
     auto_class, path, kwargs = _model_spec(model_config, value_model=value_model, path=path)
     with torch.random.fork_rng(devices=[]), _no_value_head_class(value_model, kwargs["config"]):
         torch.manual_seed(seed)
-        return without_hub_kernels(auto_class.from_pretrained(path, **kwargs, **no_hub_kernels()))
+        return load_pretrained(auto_class, path, **kwargs)
 
 
 def build_meta_model(model_config: Any, *, value_model: bool = False, path: str | None = None) -> Any:

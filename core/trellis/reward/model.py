@@ -41,7 +41,7 @@ from trellis.data.protocol import DataProto
 from trellis.errors import TrellisError
 from trellis.reward.managers import ScoreOutcome, outcome_of
 from trellis.reward.resolve import resolve_reward_function
-from trellis.utils.auto_model import no_hub_kernels, without_hub_kernels
+from trellis.utils.auto_model import load_pretrained
 from trellis.utils.coroutines import run_coroutine
 
 logger = logging.getLogger(__name__)
@@ -359,10 +359,10 @@ class ClassifierRewardModel:
             raise ValueError(f"reward.model.micro_batch_size must be >= 1, got {micro_batch_size!r}.")
         self.micro_batch_size = int(micro_batch_size)
         self.device = torch.device(device or "cpu")
-        kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **no_hub_kernels()}
+        kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
         if dtype is not None:
             kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.model = without_hub_kernels(AutoModelForSequenceClassification.from_pretrained(path, **kwargs))
+        self.model = load_pretrained(AutoModelForSequenceClassification, path, **kwargs)
         if self.model.config.num_labels != 1:
             raise ValueError(
                 f"reward.model.path={path!r} has {self.model.config.num_labels} labels; a classifier reward "

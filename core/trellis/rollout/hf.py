@@ -359,7 +359,7 @@ class HFRolloutReplica(RolloutReplica):
         import torch
         from transformers import AutoConfig
 
-        from trellis.utils.auto_model import no_hub_kernels, policy_auto_class, without_hub_kernels
+        from trellis.utils.auto_model import load_pretrained, policy_auto_class
 
         mc = self.model_config
         dtype = getattr(torch, _DTYPES.get(_setting(mc, ModelConfig, "dtype"), "float32"))
@@ -368,10 +368,9 @@ class HFRolloutReplica(RolloutReplica):
             attn = "sdpa"  # trellis' own varlen kernels are for training forward passes
         trust = bool(_setting(mc, ModelConfig, "trust_remote_code"))
         auto_class = policy_auto_class(AutoConfig.from_pretrained(path, trust_remote_code=trust))
-        model = auto_class.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust, **no_hub_kernels()
+        return load_pretrained(
+            auto_class, path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
         )
-        return without_hub_kernels(model)
 
     @property
     def _offloads(self) -> bool:

@@ -95,10 +95,9 @@ class RolloutReplicaContract(RegistryEntryContract):
             if self.mode == "hybrid":
                 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-                from trellis.utils.auto_model import no_hub_kernels, without_hub_kernels
+                from trellis.utils.auto_model import load_pretrained
 
-                model = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32", **no_hub_kernels())
-                kwargs["model"] = without_hub_kernels(model)
+                kwargs["model"] = load_pretrained(AutoModelForCausalLM, model_path, dtype="float32")
                 kwargs["tokenizer"] = AutoTokenizer.from_pretrained(model_path)
             await replica.init(self.mode, **kwargs)
             try:

@@ -23,13 +23,16 @@ def policy_auto_class(config: Any) -> Any:
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
-def no_hub_kernels() -> dict[str, Any]:
-    """``from_pretrained`` keyword arguments that load a model without transformers' Hub kernels
-    (:func:`without_hub_kernels` says why): ``{"use_kernels": False}`` from transformers 5, where
-    kernelizing became the default, else none (older releases take no such argument or default to off)."""
+def load_pretrained(auto_class: Any, path: str, **kwargs: Any) -> Any:
+    """``auto_class.from_pretrained(path, **kwargs)`` without transformers' Hub kernels
+    (:func:`without_hub_kernels` says why): from transformers 5, where kernelizing became the default,
+    with ``use_kernels=False`` (older releases take no such argument or default to off), and reset
+    after loading all the same."""
     import transformers
 
-    return {"use_kernels": False} if int(transformers.__version__.split(".")[0]) >= 5 else {}
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        kwargs["use_kernels"] = False
+    return without_hub_kernels(auto_class.from_pretrained(path, **kwargs))
 
 
 def without_hub_kernels(model: Any) -> Any:
