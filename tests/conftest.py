@@ -49,14 +49,24 @@ def run_python(
 
 
 @pytest.fixture(autouse=True)
-def _host_memory_restored():
-    """Put back the process's malloc policy after each test: workers and replicas built by a test set it
-    from their config (``trainer.host_memory``) for the whole process, as they do in a worker process."""
+def _process_cpu_restored():
+    """Put back the process's CPU settings after each test: workers and replicas built by a test set them
+    from their config for the whole process (``trellis.rollout.remote.set_process_cpu``), as they do in a
+    worker process: malloc's policy (``trainer.host_memory``), denormals flushed to zero
+    (``trainer.flush_denormal``) and torch's thread count. A flush left on by one test changed what the
+    next computed: ``contract_state_dict``'s deliberate denormal became 0 in the test's own copy, and
+    the checkpoint-sync tests then found "the bytes differ" from those sent by a fresh process."""
+    import torch
+
+    from trellis.device.cpu import flushes_denormal, set_flush_denormal
     from trellis.utils.memory import host_memory, set_host_memory
 
-    before = host_memory()
+    before = host_memory(), flushes_denormal(), torch.get_num_threads()
     yield
-    set_host_memory(before)
+    set_host_memory(before[0])
+    set_flush_denormal(before[1])
+    if torch.get_num_threads() != before[2]:
+        torch.set_num_threads(before[2])
 
 
 @pytest.fixture
