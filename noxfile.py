@@ -50,7 +50,7 @@ def tests(session: nox.Session) -> None:
 
     The whole suite runs on a pytest-xdist worker per core (at most MAX_TEST_WORKERS), each test file
     on one worker (``--dist loadfile``: a file's module-scoped Ray cluster or process group is started
-    once). On 2 cores it took 0.67x the time of one process (16.0 against 23.8 min). Paths or options after
+    once); on 2 cores the suite took 0.67x the time it takes in one process. Paths or options after
     ``--`` run in one process, as pytest runs them (add ``-n 2`` to spread them)."""
     # trackers: tensorboard, wandb and mlflow(-skinny), which tests/test_trackers_external.py runs for real
     _install_core(session, *FIXTURES, *PLUGINS, extras="ray,test,lora,gateway,trackers")
@@ -64,7 +64,9 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def distributed(session: nox.Session) -> None:
     """The tests marked ``distributed``: multi-process Ray runs of FSDP workers, SIGKILLed at random
-    moments and resumed (minutes, not seconds; the tests session leaves them out)."""
+    moments and resumed, and the longest runs of several Ray actor processes (sequence-parallel,
+    standalone replicas and agent workers, a critic's own pool: 40-80 s each on 2 cores). Minutes, not
+    seconds; the tests session leaves them out."""
     _install_core(session, *FIXTURES, *PLUGINS)
     paths = session.posargs or ["tests"]
     session.run("pytest", "-m", "distributed", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
