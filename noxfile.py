@@ -33,40 +33,19 @@ def _install_core(session: nox.Session, *extra: str, extras: str = "ray,test,lor
     session.install("--no-deps", "--force-reinstall", ".", *extra)
 
 
-# Each worker runs one torch thread, but many tests start processes of their own (Ray actors, FSDP
-# groups, `trellis train` runs): more workers than this would mostly add memory, not speed.
-MAX_TEST_WORKERS = 4
-
-
-def _test_workers() -> int:
-    """pytest-xdist workers for the whole default suite: one per usable core, at most MAX_TEST_WORKERS."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, MAX_TEST_WORKERS))
-
-
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The default test suite (core + fixture plugins installed like real ones).
-
-    The whole suite runs on a pytest-xdist worker per core (at most MAX_TEST_WORKERS), each test file
-    on one worker (``--dist loadfile``: a file's module-scoped Ray cluster or process group is started
-    once); on 2 cores the suite took 0.67x the time it takes in one process. Paths or options after
-    ``--`` run in one process, as pytest runs them (add ``-n 2`` to spread them)."""
+    """The default test suite (core + fixture plugins installed like real ones)."""
     # trackers: tensorboard, wandb and mlflow(-skinny), which tests/test_trackers_external.py runs for real
     _install_core(session, *FIXTURES, *PLUGINS, extras="ray,test,lora,gateway,trackers")
-    if session.posargs:
-        args = session.posargs
-    else:
-        args = ["-n", str(_test_workers()), "--dist", "loadfile", "tests", *(f"{p}/tests" for p in PLUGINS)]
-    session.run("pytest", "-m", "not distributed", *args, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+    paths = session.posargs or ["tests", *(f"{plugin}/tests" for plugin in PLUGINS)]
+    session.run("pytest", "-m", "not distributed", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
 
 
 @nox.session
 def distributed(session: nox.Session) -> None:
     """The tests marked ``distributed``: multi-process Ray runs of FSDP workers, SIGKILLed at random
-    moments and resumed, and the longest runs of several Ray actor processes (sequence-parallel,
-    standalone replicas and agent workers, a critic's own pool: 40-80 s each on 2 cores). Minutes, not
-    seconds; the tests session leaves them out."""
+    moments and resumed (minutes, not seconds; the tests session leaves them out)."""
     _install_core(session, *FIXTURES, *PLUGINS)
     paths = session.posargs or ["tests"]
     session.run("pytest", "-m", "distributed", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})

@@ -150,7 +150,6 @@ def test_sequence_parallel_needs_fsdp_packing_and_divisible_heads(tiny_model_pat
         OffloadEngine(config, CriticConfig(ulysses_sequence_parallel_size=2), role="critic", device="cpu")
 
 
-@pytest.mark.distributed  # several Ray actor processes, 40-80 s on 2 cores: nox -s distributed
 def test_the_tiny_preset_trains_with_sequence_parallel_ray_workers(tmp_path, ray_cluster):
     """``actor.ulysses_sequence_parallel_size=2`` on 2 Ray workers (one data-parallel rank whose
     sequences are split over both): the same rewards, step by step, as the one-process run."""

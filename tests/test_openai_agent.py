@@ -273,7 +273,6 @@ def test_a_batch_of_split_prompts_trains_with_old_log_probs_and_even_shares(agen
     assert _pad_to_multiple(batch, 5) is batch
 
 
-@pytest.mark.distributed  # several Ray actor processes, 40-80 s on 2 cores: nox -s distributed
 def test_standalone_replicas_and_agent_workers_in_processes_of_their_own(ray_cluster, tmp_path):
     """rollout.mode=standalone with two agent workers (Ray actors): each starts its own gateway, the
     agent file is found from their processes, and the async trainer trains the captured samples."""

@@ -91,7 +91,6 @@ def _tiny_model_params(trainer):
     return list(model.state_dict().values())
 
 
-@pytest.mark.distributed  # several Ray actor processes, 40-80 s on 2 cores: nox -s distributed
 def test_two_fsdp_workers_two_replicas_two_agent_workers_over_gloo(tmp_path, ray_cluster, colocated):
     trainer, result = _train(
         tmp_path,

@@ -768,7 +768,6 @@ def _uneven_prompts(tmp_path):
     return path
 
 
-@pytest.mark.distributed  # several Ray actor processes, 40-80 s on 2 cores: nox -s distributed
 @pytest.mark.parametrize("workers", [2, 3])
 def test_ray_workers_gather_shards_of_uneven_width_for_more_than_an_epoch(tmp_path, ray_cluster, workers):
     data = _uneven_prompts(tmp_path)

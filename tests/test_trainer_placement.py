@@ -111,7 +111,6 @@ def test_actor_and_critic_share_one_ray_actor_per_device_and_match_the_local_run
     assert _curve(colocated) == pytest.approx(_curve(local_run), abs=1e-5)
 
 
-@pytest.mark.distributed  # several Ray actor processes, 40-80 s on 2 cores: nox -s distributed
 def test_critic_on_a_separate_pool_starts_its_own_actors_and_trains_the_same(
     tmp_path, ray_cluster, local_run
 ):
