@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from trellis.utils.watchdog import StageWatchdog, tail, thread_stacks
+from trellis.utils.watchdog import StageWatchdog, interrupt_main_thread, tail, thread_stacks
 
 HANG = textwrap.dedent(
     """
@@ -77,6 +77,25 @@ def test_thread_stacks_and_tail_read_where_the_process_is(tmp_path):
     assert tail(str(log), 3) == "line 97\nline 98\nline 99" and tail(str(tmp_path / "none"), 3) == ""
 
 
+def test_the_interrupt_cuts_short_a_blocking_call_of_the_main_thread():
+    """A stalled stage usually waits in C (a sleep, a lock, a socket): the interrupt must wake it, not
+    just set a flag for when Python code runs again (``_thread.interrupt_main`` alone)."""
+    import signal
+
+    assert threading.current_thread() is threading.main_thread()
+    threading.Timer(0.2, interrupt_main_thread).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        time.sleep(30)
+    assert time.monotonic() - started < 5
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:  # a program that ignores SIGINT is not sent one (and is not killed by SIG_DFL's action)
+        assert interrupt_main_thread() is False
+        time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _train(tmp_path, *overrides, hang_after=0, timeout=240):
     (tmp_path / "hang.py").write_text(HANG)
     cmd = [
@@ -121,6 +140,10 @@ def test_a_stalled_stage_is_reported_with_its_stacks_and_the_run_stops_with_code
     report = (tmp_path / "run" / "stall_report.txt").read_text()
     assert "== this process (driver) ==" in report
     assert "hang.py" in report and "time.sleep(3600)" in report  # where it is stuck
+    # the interrupt reached the sleeping reward call: the run shut down by itself, not by the last
+    # resort that exits STALL_GRACE_S (30 s) after the report
+    assert "did not stop within" not in proc.stderr, proc.stderr[-3000:]
+    assert "trellis: error: Stage 'score' of step 2" in proc.stderr
     assert seconds < 120  # the first step, then 4 s of stall, then shutdown
     from trellis.checkpoint.training import CheckpointManager, verify_checkpoint
 
@@ -135,6 +158,7 @@ def test_stage_timeout_s_applies_to_every_stage_and_null_turns_it_off(tmp_path):
         proc.returncode == 3
         and "Stage 'score' of step 1" in proc.stderr
         and "(trainer.stage_timeout_s)" in proc.stderr
+        and "did not stop within" not in proc.stderr
     )
     ok, _ = _train(
         tmp_path, "trainer.total_training_steps=1", "trainer.stage_timeout_s=null", hang_after=10_000

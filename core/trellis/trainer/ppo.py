@@ -436,15 +436,16 @@ class Trainer:
     def _on_stall(self, stage: str, elapsed_s: float, limit_s: float) -> None:
         """A stage ran past its deadline (called on the watchdog's thread): write the report — the stage,
         the step, the Python stacks of this process and of every worker process — to the log and to
-        ``run_dir/stall_report.txt``, then stop the run: the main thread gets an interrupt, which
-        :meth:`fit` turns into a :class:`StageTimeoutError` (exit code 3) after shutting down; if it is
-        stuck where an interrupt cannot reach, the process exits with code 3 after
+        ``run_dir/stall_report.txt``, then stop the run: the main thread gets a ``SIGINT``
+        (:func:`~trellis.utils.watchdog.interrupt_main_thread`, which also cuts short a sleep, a lock
+        wait or a socket read it is stuck in), which :meth:`fit` turns into a :class:`StageTimeoutError`
+        (exit code 3) after shutting down; if it is stuck where an interrupt cannot reach (a long call
+        into C that does not return on a signal), the process exits with code 3 after
         :data:`STALL_GRACE_S` seconds. Checkpoints are written to a temporary folder and renamed, so
         the last one stays intact either way."""
-        import _thread
         import threading
 
-        from trellis.utils.watchdog import thread_stacks
+        from trellis.utils.watchdog import interrupt_main_thread, thread_stacks
 
         setting = (
             f"trainer.stage_timeouts.{stage}"
@@ -467,7 +468,7 @@ class Trainer:
         except OSError:
             logger.exception("Could not write the stall report into %s.", self.run_dir)
         self._stall = StageTimeoutError(head + f" Stacks: {os.path.join(self.run_dir, 'stall_report.txt')}")
-        _thread.interrupt_main()
+        interrupt_main_thread()
 
         def last_resort() -> None:
             logger.error(

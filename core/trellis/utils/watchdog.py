@@ -59,6 +59,28 @@ def signal_stack_dump(pid: int) -> bool:
     return True
 
 
+def interrupt_main_thread() -> bool:
+    """Raise :class:`KeyboardInterrupt` in the main thread, as Ctrl-C would, also while it waits in a
+    blocking call (``time.sleep``, a lock, a socket read): a real ``SIGINT`` sent to that thread cuts
+    the call short and Python runs the handler at once, where :func:`_thread.interrupt_main` alone only
+    sets a flag that the thread reads when it next runs Python code. Only sent when Python handles
+    ``SIGINT`` (its default handler or one of the program's); ``SIG_DFL`` would kill the process and
+    ``SIG_IGN`` ignore it, so there the flag is all. Returns whether the signal was sent."""
+    import _thread
+
+    main = threading.main_thread()
+    if (
+        callable(signal.getsignal(signal.SIGINT))
+        and hasattr(signal, "pthread_kill")
+        and main.ident is not None
+        and main.is_alive()
+    ):
+        signal.pthread_kill(main.ident, signal.SIGINT)
+        return True
+    _thread.interrupt_main()
+    return False
+
+
 def tail(path: str, lines: int = 60, max_bytes: int = 256 * 1024) -> str:
     """The last ``lines`` lines of a text file ('' when it cannot be read)."""
     try:
