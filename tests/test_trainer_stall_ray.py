@@ -86,3 +86,6 @@ def test_a_worker_stuck_past_the_deadline_is_reported_with_its_stack(tmp_path):
     report = (tmp_path / "run" / "stall_report.txt").read_text()
     assert "Stage 'score' of step 1" in report and "== worker 0 of a RayWorkerGroup" in report
     assert "reward.py" in report and "in hangs" in report, report[-3000:]  # the worker's own stack
+    # the driver shut down by itself: no call queued behind the stuck worker, no exit by the last resort
+    assert "did not stop within" not in proc.stderr, proc.stderr[-3000:]
+    assert "workers are killed without releasing their rollout replicas" in proc.stderr

@@ -1075,7 +1075,14 @@ class Trainer:
                 except Exception:
                     logger.exception("Could not shut the standalone %s down.", owner)
         actor_wg = getattr(self, "actor_wg", None)
-        if actor_wg is not None:  # engines of plugin replicas run processes of their own
+        if actor_wg is not None and self._stall is not None and self.config.trainer.executor != "local":
+            # a worker may still be stuck in the stage past its deadline, and a call would queue behind
+            # it for good (the run would leave only by STALL_GRACE_S's exit); its process is killed below
+            logger.warning(
+                "After the stall the workers are killed without releasing their rollout replicas first "
+                "(a worker may still be stuck in the stalled stage)."
+            )
+        elif actor_wg is not None:  # engines of plugin replicas run processes of their own
             try:
                 actor_wg.release_rollout()
             except Exception:
