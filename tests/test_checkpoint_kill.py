@@ -210,6 +210,7 @@ def reference(tiny_model_path, tmp_path_factory):
     return weights, metadata
 
 
+@pytest.mark.distributed  # dozens of runs forked and SIGKILLed (~50 s)
 def test_killed_runs_resume_bit_identically(reference, tiny_model_path, tmp_path):
     ref_weights, ref_meta = reference
     server = Server(tmp_path / "server.log")

@@ -82,6 +82,7 @@ def test_ray_group_matches_the_local_group(ray_cluster):
         remote.shutdown()
 
 
+@pytest.mark.distributed  # a Ray actor hosting three roles (~15 s)
 def test_colocated_roles_run_in_the_same_actor(ray_cluster):
     combined = create_colocated_worker_cls(
         {"actor": ClassWithInitArgs(Doubler, scale=2), "ref": ClassWithInitArgs(Ref, offset=10)}
@@ -96,6 +97,7 @@ def test_colocated_roles_run_in_the_same_actor(ray_cluster):
         group.shutdown()
 
 
+@pytest.mark.distributed  # two Ray workers in a gloo group (~15 s)
 def test_workers_rendezvous_for_torch_distributed(ray_cluster):
     group = RayWorkerGroup(RayResourcePool([2]), ClassWithInitArgs(Gloo))
     try:

@@ -251,6 +251,7 @@ def test_cuda_peak_memory_stays_under_a_budget_smaller_than_the_training_state(t
     assert eng.where(0) == torch.device("cpu")
 
 
+@pytest.mark.slow  # four tiny-preset runs (~25 s)
 def test_the_tiny_preset_trains_offloaded_as_with_single(tmp_path):
     """``trellis train --preset tiny actor.engine=offload``: in float32 the per-step rewards are the
     ``single`` engine's exactly (weights reach the rollout through weight sync); with bfloat16 working

@@ -111,6 +111,7 @@ def test_the_batch_has_sequences_shorter_than_the_group():
     assert int(lengths.min()) < 4 and len(set(lengths.tolist())) > 3  # uneven, some shorter than SP=4
 
 
+@pytest.mark.distributed  # its fixture runs a gloo group of WORLD processes (~30 s)
 @pytest.mark.parametrize("case", list(CASES))
 def test_sequence_parallel_matches_one_process(sp_results, paths, case):
     expected = _run(_build(SingleEngine, paths, case, sp=1), case, list(range(GLOBAL_BATCH)))
@@ -150,6 +151,7 @@ def test_sequence_parallel_needs_fsdp_packing_and_divisible_heads(tiny_model_pat
         OffloadEngine(config, CriticConfig(ulysses_sequence_parallel_size=2), role="critic", device="cpu")
 
 
+@pytest.mark.distributed  # sequence-parallel Ray workers (~30 s)
 def test_the_tiny_preset_trains_with_sequence_parallel_ray_workers(tmp_path, ray_cluster):
     """``actor.ulysses_sequence_parallel_size=2`` on 2 Ray workers (one data-parallel rank whose
     sequences are split over both): the same rewards, step by step, as the one-process run."""

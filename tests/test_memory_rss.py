@@ -69,6 +69,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # 30 steps, each measured through the garbage collector (~35-55 s)
 def test_thirty_steps_keep_rss_tensors_and_objects_flat(tmp_path, monkeypatch, one_thread):
     monkeypatch.setenv("TRELLIS_CACHE_DIR", str(tmp_path / "cache"))
     recorder = Recorder()

@@ -215,6 +215,7 @@ def test_no_function_configured_is_refused_clearly(calculator_model, tmp_path):
         rollout(calculator_model, batch(tok, tmp_path, rows=1), None)
 
 
+@pytest.mark.slow  # 16 GRPO steps through the gateway (~40 s)
 def test_the_trainer_trains_an_openai_sdk_agent_and_its_reward_rises(tmp_path):
     """contrib/openai-agent: the tiny model, taught only to call the calculator, learns by GRPO through
     the gateway to answer in digits: reward rising over a few steps, the first steps' samples
@@ -273,6 +274,7 @@ def test_a_batch_of_split_prompts_trains_with_old_log_probs_and_even_shares(agen
     assert _pad_to_multiple(batch, 5) is batch
 
 
+@pytest.mark.distributed  # replica and agent-worker actors (~35 s)
 def test_standalone_replicas_and_agent_workers_in_processes_of_their_own(ray_cluster, tmp_path):
     """rollout.mode=standalone with two agent workers (Ray actors): each starts its own gateway, the
     agent file is found from their processes, and the async trainer trains the captured samples."""

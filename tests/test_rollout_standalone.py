@@ -66,6 +66,7 @@ def colocated(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("colocated"), "colocated", "rollout.mode=colocated")[1]
 
 
+@pytest.mark.distributed  # a replica actor against an in-process run (~20 s)
 def test_standalone_replica_trains_like_colocated_through_shm(tmp_path, ray_cluster, colocated):
     trainer, result = _train(
         tmp_path, "standalone", "rollout.mode=standalone", "rollout.checkpoint_engine.name=shm"
@@ -91,6 +92,7 @@ def _tiny_model_params(trainer):
     return list(model.state_dict().values())
 
 
+@pytest.mark.distributed  # six Ray actors (~40 s)
 def test_two_fsdp_workers_two_replicas_two_agent_workers_over_gloo(tmp_path, ray_cluster, colocated):
     trainer, result = _train(
         tmp_path,

@@ -200,6 +200,7 @@ def test_unknown_preset_and_local_world_size_errors(tmp_path):
         run(tmp_path, *QUICK, "trainer.n_devices_per_node=2")
 
 
+@pytest.mark.distributed  # two FSDP Ray workers (~25 s)
 def test_ray_executor_with_two_fsdp_workers_and_custom_components(tmp_path, ray_cluster):
     reward = tmp_path / "my_reward.py"
     reward.write_text(REWARD_FILE)
@@ -768,6 +769,7 @@ def _uneven_prompts(tmp_path):
     return path
 
 
+@pytest.mark.distributed  # 2 and 3 Ray workers for more than an epoch (~25 s each)
 @pytest.mark.parametrize("workers", [2, 3])
 def test_ray_workers_gather_shards_of_uneven_width_for_more_than_an_epoch(tmp_path, ray_cluster, workers):
     data = _uneven_prompts(tmp_path)

@@ -106,6 +106,7 @@ def test_async_with_staleness_zero_is_sync_bit_for_bit(tmp_path, sync):
     assert trainer.stream_settings["max_staleness"] == 0
 
 
+@pytest.mark.distributed  # a run with a replica actor beside the sync one (~25 s)
 def test_one_step_off_is_sync_generating_one_version_behind(tmp_path, sync):
     _, on_policy = sync
     trainer, result = train(tmp_path, "one_step_off", "trainer.mode=one_step_off")
@@ -166,6 +167,7 @@ def test_async_steps_do_not_wait_for_the_load_and_validation_does(tmp_path):
     assert [step for step, _ in result.validation] == [2, 3]
 
 
+@pytest.mark.distributed  # two runs with a replica actor (~25 s)
 def test_decoupled_objective_weights_tokens_by_proximal_over_behaviour(tmp_path):
     common = ["trainer.mode=async", "rollout.max_staleness=1", "rollout.calculate_log_probs=true"]
     trainer, result = train(tmp_path, "decoupled", *common, "algorithm.off_policy=decoupled")
@@ -193,6 +195,7 @@ class OldLogProbs(Recording):
         return super().compute_advantages(batch)
 
 
+@pytest.mark.distributed  # two runs with a replica actor (~30 s)
 def test_behaviour_objective_takes_the_replicas_log_probs_as_the_old_ones(tmp_path):
     common = ["trainer.mode=async", "rollout.max_staleness=1", "rollout.calculate_log_probs=true"]
     trainer, result = train(tmp_path, "behaviour", *common, "algorithm.off_policy=behaviour", cls=OldLogProbs)
@@ -266,6 +269,7 @@ class OwnsCluster(Recording):
         super()._shutdown()
 
 
+@pytest.mark.distributed  # Ray actors sharing the cores (~35 s)
 def test_share_cores_trains_on_the_waiting_replicas_core(tmp_path, monkeypatch, ray_cluster):
     import os
 

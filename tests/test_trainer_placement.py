@@ -94,6 +94,7 @@ def _curve(result):
     return [m[key] for m in result.history for key in COMPARED]
 
 
+@pytest.mark.distributed  # Ray actors against an in-process run (~30 s)
 def test_actor_and_critic_share_one_ray_actor_per_device_and_match_the_local_run(
     tmp_path, ray_cluster, local_run
 ):
@@ -111,6 +112,7 @@ def test_actor_and_critic_share_one_ray_actor_per_device_and_match_the_local_run
     assert _curve(colocated) == pytest.approx(_curve(local_run), abs=1e-5)
 
 
+@pytest.mark.distributed  # two pools of Ray actors (~40 s)
 def test_critic_on_a_separate_pool_starts_its_own_actors_and_trains_the_same(
     tmp_path, ray_cluster, local_run
 ):

@@ -95,6 +95,7 @@ class FakeBackedSGLang(SGLangRolloutReplica):
 """
 
 
+@pytest.mark.distributed  # the replica in a process of its own (~30 s)
 def test_standalone_sglang_replica_in_its_own_process_trains_through_shm(tmp_path, monkeypatch):
     """rollout.mode=standalone with the SGLang replica (on the fake) in a Ray actor of its own: weights
     arrive through the shm checkpoint engine, log-probs still equal the trainer's."""
