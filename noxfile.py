@@ -42,7 +42,8 @@ def tests(session: nox.Session) -> None:
     _install_core(session, *FIXTURES, *PLUGINS, extras="ray,test,lora,gateway,trackers")
     paths = session.posargs or TEST_PATHS
     env = {**OFFLINE, "OMP_NUM_THREADS": "1"}
-    session.run("pytest", "-m", "not distributed and not slow", *paths, env=env)
+    # the slowest 25 printed: a test that creeps past ~15 s belongs under the markers of `distributed`
+    session.run("pytest", "-m", "not distributed and not slow", "--durations=25", *paths, env=env)
 
 
 @nox.session
