@@ -8,6 +8,7 @@ The Ray executor's cases (a worker SIGKILLed mid-step, a worker stalled) are in
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -77,26 +78,46 @@ def test_thread_stacks_and_tail_read_where_the_process_is(tmp_path):
     assert tail(str(log), 3) == "line 97\nline 98\nline 99" and tail(str(tmp_path / "none"), 3) == ""
 
 
-def test_the_interrupt_cuts_short_a_blocking_call_of_the_main_thread():
-    """A stalled stage usually waits in C (a sleep, a lock, a socket): the interrupt must wake it, not
-    just set a flag for when Python code runs again (``_thread.interrupt_main`` alone)."""
-    import signal
-
-    assert threading.current_thread() is threading.main_thread()
-    threading.Timer(0.2, interrupt_main_thread).start()
+def _interrupted_sleep() -> tuple[list[str], float]:
+    """Sleep 30 s in the main thread while a timer thread calls :func:`interrupt_main_thread` after
+    0.2 s: how it sent the interrupt, and how long the sleep lasted."""
+    how: list[str] = []
+    threading.Timer(0.2, lambda: how.append(interrupt_main_thread())).start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         time.sleep(30)
-    assert time.monotonic() - started < 5
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:  # a program that ignores SIGINT is not sent one (and is not killed by SIG_DFL's action)
-        assert interrupt_main_thread() is False
+    return how, time.monotonic() - started
+
+
+def test_the_interrupt_cuts_short_a_blocking_call_of_the_main_thread():
+    """A stalled stage usually waits in C (a sleep, a lock, a socket): the interrupt must wake it, not
+    just set a flag for when Python code runs again (``_thread.interrupt_main`` alone), and also where
+    SIGINT is ignored, as a process started in the background inherits it."""
+    from trellis.utils.watchdog import WAKE_SIGNAL, arm_main_thread_wake, disarm_main_thread_wake
+
+    assert threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        how, seconds = _interrupted_sleep()  # not armed: SIGINT, which Python handles
+        assert how == ["sigint"] and seconds < 5
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert interrupt_main_thread() == "flag"  # ignored, not armed: nothing reaches the thread
+        time.sleep(0.05)
+        before = signal.getsignal(WAKE_SIGNAL)
+        assert arm_main_thread_wake() is True
+        try:
+            how, seconds = _interrupted_sleep()
+        finally:
+            disarm_main_thread_wake()
+        assert how == ["wake"] and seconds < 5
+        assert signal.getsignal(WAKE_SIGNAL) == before  # the former handler is back
+        assert interrupt_main_thread() == "flag"  # disarmed: no wake signal is sent any more
         time.sleep(0.05)
     finally:
         signal.signal(signal.SIGINT, previous)
 
 
-def _train(tmp_path, *overrides, hang_after=0, timeout=240):
+def _train(tmp_path, *overrides, hang_after=0, timeout=240, ignore_sigint=False):
     (tmp_path / "hang.py").write_text(HANG)
     cmd = [
         sys.executable,
@@ -119,7 +140,9 @@ def _train(tmp_path, *overrides, hang_after=0, timeout=240):
         "PYTHONPATH": os.pathsep.join(sys.path),
     }
     started = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # ignore_sigint: the run starts as a background job would, with SIGINT ignored
+    preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
     return proc, time.monotonic() - started
 
 
@@ -153,7 +176,9 @@ def test_a_stalled_stage_is_reported_with_its_stacks_and_the_run_stops_with_code
 
 
 def test_stage_timeout_s_applies_to_every_stage_and_null_turns_it_off(tmp_path):
-    proc, _ = _train(tmp_path, "trainer.total_training_steps=1", "trainer.stage_timeout_s=3")
+    proc, _ = _train(
+        tmp_path, "trainer.total_training_steps=1", "trainer.stage_timeout_s=3", ignore_sigint=True
+    )
     assert (
         proc.returncode == 3
         and "Stage 'score' of step 1" in proc.stderr

@@ -42,7 +42,7 @@ from trellis.trainer.workers import seed_process
 from trellis.utils import fs
 from trellis.utils.memory import host_memory, set_host_memory
 from trellis.utils.timing import marked_timer
-from trellis.utils.watchdog import StageWatchdog
+from trellis.utils.watchdog import StageWatchdog, arm_main_thread_wake, disarm_main_thread_wake
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +370,7 @@ class Trainer:
         self._build_trackers()
         hooks.trellis_train_start(config=cfg, run_dir=self.run_dir)
         last_metrics: dict[str, float] = {}
+        arm_main_thread_wake()  # a stage past its deadline is interrupted even where SIGINT is ignored
         try:
             batches = self._batches()
             self._start_overlap(batches)
@@ -411,6 +412,7 @@ class Trainer:
             raise self._stall from None  # the watchdog interrupted a stage past its deadline
         finally:
             self.watchdog.close()
+            disarm_main_thread_wake()
             result.steps = self.step
             for tracker in getattr(self, "trackers", []):
                 tracker.finish()
@@ -436,7 +438,7 @@ class Trainer:
     def _on_stall(self, stage: str, elapsed_s: float, limit_s: float) -> None:
         """A stage ran past its deadline (called on the watchdog's thread): write the report — the stage,
         the step, the Python stacks of this process and of every worker process — to the log and to
-        ``run_dir/stall_report.txt``, then stop the run: the main thread gets a ``SIGINT``
+        ``run_dir/stall_report.txt``, then stop the run: the main thread gets a signal
         (:func:`~trellis.utils.watchdog.interrupt_main_thread`, which also cuts short a sleep, a lock
         wait or a socket read it is stuck in), which :meth:`fit` turns into a :class:`StageTimeoutError`
         (exit code 3) after shutting down; if it is stuck where an interrupt cannot reach (a long call

@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 """The signal that makes a worker that called :func:`enable_stack_dumps` write its stacks."""
@@ -59,26 +60,67 @@ def signal_stack_dump(pid: int) -> bool:
     return True
 
 
-def interrupt_main_thread() -> bool:
+WAKE_SIGNAL = getattr(signal, "SIGUSR2", None)
+"""The signal :func:`interrupt_main_thread` sends while :func:`arm_main_thread_wake` holds: its handler
+raises :class:`KeyboardInterrupt` in the main thread."""
+
+_wake_lock = threading.Lock()
+_wake_state: dict[str, Any] = {"depth": 0, "previous": None}
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def arm_main_thread_wake() -> bool:
+    """From the main thread: until :func:`disarm_main_thread_wake`, :func:`interrupt_main_thread` wakes
+    the main thread with :data:`WAKE_SIGNAL`, whatever ``SIGINT``'s disposition (a process started in
+    the background, ``nohup``'d or under some CI runners, inherits ``SIGINT`` ignored). Calls nest.
+    Returns ``False`` (and does nothing) off the main thread or where the signal does not exist."""
+    if WAKE_SIGNAL is None or threading.current_thread() is not threading.main_thread():
+        return False
+    with _wake_lock:
+        if _wake_state["depth"] == 0:
+            _wake_state["previous"] = signal.signal(WAKE_SIGNAL, _raise_interrupt)
+        _wake_state["depth"] += 1
+    return True
+
+
+def disarm_main_thread_wake() -> None:
+    """Undo one :func:`arm_main_thread_wake`; the last one puts the signal's former handler back. Under
+    the same lock as the sending, so no wake is sent once the former handler (perhaps the default
+    action, which ends the process) may be back."""
+    if WAKE_SIGNAL is None or threading.current_thread() is not threading.main_thread():
+        return
+    with _wake_lock:
+        if _wake_state["depth"] == 0:
+            return
+        _wake_state["depth"] -= 1
+        if _wake_state["depth"] == 0:
+            signal.signal(WAKE_SIGNAL, _wake_state.pop("previous") or signal.SIG_DFL)
+            _wake_state["previous"] = None
+
+
+def interrupt_main_thread() -> str:
     """Raise :class:`KeyboardInterrupt` in the main thread, as Ctrl-C would, also while it waits in a
-    blocking call (``time.sleep``, a lock, a socket read): a real ``SIGINT`` sent to that thread cuts
-    the call short and Python runs the handler at once, where :func:`_thread.interrupt_main` alone only
-    sets a flag that the thread reads when it next runs Python code. Only sent when Python handles
-    ``SIGINT`` (its default handler or one of the program's); ``SIG_DFL`` would kill the process and
-    ``SIG_IGN`` ignore it, so there the flag is all. Returns whether the signal was sent."""
+    blocking call (``time.sleep``, a lock, a socket read): a real signal sent to that thread cuts the
+    call short and Python runs its handler at once, where :func:`_thread.interrupt_main` alone only sets
+    a flag that the thread reads when it next runs Python code (and that does nothing at all while
+    ``SIGINT`` is ignored). Returns how: ``"wake"`` (:data:`WAKE_SIGNAL`, while
+    :func:`arm_main_thread_wake` holds), ``"sigint"`` (``SIGINT`` has a Python handler), or ``"flag"``."""
     import _thread
 
     main = threading.main_thread()
-    if (
-        callable(signal.getsignal(signal.SIGINT))
-        and hasattr(signal, "pthread_kill")
-        and main.ident is not None
-        and main.is_alive()
-    ):
+    can_signal = hasattr(signal, "pthread_kill") and main.ident is not None and main.is_alive()
+    with _wake_lock:
+        if can_signal and _wake_state["depth"] > 0 and WAKE_SIGNAL is not None:
+            signal.pthread_kill(main.ident, WAKE_SIGNAL)
+            return "wake"
+    if can_signal and callable(signal.getsignal(signal.SIGINT)):
         signal.pthread_kill(main.ident, signal.SIGINT)
-        return True
+        return "sigint"
     _thread.interrupt_main()
-    return False
+    return "flag"
 
 
 def tail(path: str, lines: int = 60, max_bytes: int = 256 * 1024) -> str:
