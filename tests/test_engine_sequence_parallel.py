@@ -135,6 +135,7 @@ def test_sequence_parallel_matches_one_process(sp_results, paths, case):
             torch.testing.assert_close(r["grads"][name], tensor, atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.distributed  # read from the same gloo group's run as the test above
 def test_a_size_that_does_not_divide_the_ranks_or_the_heads_is_refused(sp_results):
     for r in sp_results:
         assert "actor.ulysses_sequence_parallel_size" in r["bad-size"] and "4 ranks" in r["bad-size"]
