@@ -111,13 +111,13 @@ def interrupt_main_thread() -> str:
     import _thread
 
     main = threading.main_thread()
-    can_signal = hasattr(signal, "pthread_kill") and main.ident is not None and main.is_alive()
+    ident = main.ident if hasattr(signal, "pthread_kill") and main.is_alive() else None
     with _wake_lock:
-        if can_signal and _wake_state["depth"] > 0 and WAKE_SIGNAL is not None:
-            signal.pthread_kill(main.ident, WAKE_SIGNAL)
+        if ident is not None and _wake_state["depth"] > 0 and WAKE_SIGNAL is not None:
+            signal.pthread_kill(ident, WAKE_SIGNAL)
             return "wake"
-    if can_signal and callable(signal.getsignal(signal.SIGINT)):
-        signal.pthread_kill(main.ident, signal.SIGINT)
+    if ident is not None and callable(signal.getsignal(signal.SIGINT)):
+        signal.pthread_kill(ident, signal.SIGINT)
         return "sigint"
     _thread.interrupt_main()
     return "flag"
