@@ -1,11 +1,12 @@
 """The demo's validation through the ``hf`` replica, with and without its common start prefilled once.
 
-    python benchmarks/common_prefix.py [--repeats 3] [--threads 2] [--no-smollm2]
+    python benchmarks/common_prefix.py [--repeats 3] [--threads 2] [--problems 200] [--no-smollm2]
 
-The demo's 200 held-out problems in SmolLM2-135M-Instruct's chat template (whose default system
-prompt, 24 tokens, starts every prompt), generated greedily, 16 tokens each, by a colocated ``hf``
-replica as the demo's validation runs them (bf16 where the CPU computes it natively, else float32;
-eager attention in bf16; at most 128 rows at once). Two sides, alternating, in this process:
+The demo's 200 held-out problems (or the first ``--problems`` of them) in SmolLM2-135M-Instruct's chat
+template (whose default system prompt, 24 tokens, starts every prompt), generated greedily, 16 tokens
+each, by a colocated ``hf`` replica as the demo's validation runs them (bf16 where the CPU computes it
+natively, else float32; eager attention in bf16; at most 128 rows at once). Two sides, alternating, in
+this process:
 
 - ``separate``: every prompt prefilled whole (``MIN_COMMON_PREFIX`` patched out of reach);
 - ``common start once`` (the default): each admission's distinct prompts run the tokens they all
@@ -31,8 +32,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs a side, after one warm-up")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--problems", type=int, default=200, help="the first this many held-out problems")
     parser.add_argument("--no-smollm2", action="store_true", help="skip (this benchmark needs SmolLM2)")
     args = parser.parse_args()
+    if not 2 <= args.problems <= 200:
+        parser.error(f"--problems must be 2..200 (the demo's held-out problems), got {args.problems}")
     path, note = smollm2_or_note(args.no_smollm2)
     if path is None:
         print(note)
@@ -57,7 +61,7 @@ def main() -> int:
                 "input_ids"
             ]
         )
-        for p in heldout
+        for p in heldout[: args.problems]
     ]
     bf16 = native_bf16()
     dtype, attn = ("bfloat16", "eager") if bf16 else ("float32", "sdpa")

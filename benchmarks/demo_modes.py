@@ -1,11 +1,12 @@
 """The demo in each training mode: wall time, held-out accuracy, and the time to reach sync's accuracy.
 
     python benchmarks/demo_modes.py [--modes sync,async] [--seeds 1] [--steps 40] [--test-freq 8]
+                                    [key=value ...]
 
 Each run is ``python -m trellis.recipes.demo`` in a process of its own (as a user runs it: the preset's
 settings, the demo's SmolLM2 model and arithmetic task), with ``trainer.seed``, ``trainer.test_freq``
-(greedy validations on the 200 held-out problems every that many steps, and before the first) and the
-mode's overrides:
+(greedy validations on the 200 held-out problems every that many steps, and before the first), the
+mode's overrides and then the ``key=value`` overrides given to this script (the same for every run):
 
 - ``sync``: the preset (colocated: one process generates, then trains, on every core);
 - ``async``: ``trainer.mode=async rollout.mode=standalone rollout.max_staleness=1`` with the replica's
@@ -44,8 +45,11 @@ ASYNC = [
 MODES = {"sync": [], "async": ASYNC, "async_fixed": [*ASYNC, "trainer.share_cores=false"]}
 
 
-def run(mode: str, seed: int, steps: int, test_freq: int, root: str) -> dict[str, Any]:
-    """One demo process; its wall time and ``[(seconds since its start, held-out accuracy)]``."""
+def run(
+    mode: str, seed: int, steps: int, test_freq: int, root: str, extra: list[str] | None = None
+) -> dict[str, Any]:
+    """One demo process; its wall time and ``[(seconds since its start, held-out accuracy)]``.
+    ``extra``: further overrides, after the mode's and those above."""
     run_dir = os.path.join(root, f"{mode}-{seed}")
     overrides = [
         *MODES[mode],
@@ -54,6 +58,7 @@ def run(mode: str, seed: int, steps: int, test_freq: int, root: str) -> dict[str
         f"trainer.test_freq={test_freq}",
         f"trainer.run_dir={run_dir}",
         "trainer.trackers=[jsonl]",
+        *(extra or []),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRELLIS_NUM_THREADS"}
     start = time.time()
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1", help="comma-separated trainer.seed values")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--test-freq", type=int, default=8)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or modes[0] != "sync" or any(m not in MODES for m in modes):
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             target = None
             for mode in modes:
-                r = run(mode, seed, args.steps, args.test_freq, root)
+                r = run(mode, seed, args.steps, args.test_freq, root, args.overrides)
                 target = r["points"][-1][1] if target is None else target  # sync's final accuracy
                 r["to_target"] = time_to(r["points"], target)
                 base = results["sync"][-1]["to_target"] if mode != "sync" else r["to_target"]
