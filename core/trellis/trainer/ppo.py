@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ from trellis.trainer.profiler import StageProfiler
 from trellis.trainer.workers import seed_process
 from trellis.utils import fs
 from trellis.utils.memory import host_memory, set_host_memory
+from trellis.utils.termination import Terminated, arm_sigterm_stop, disarm_sigterm_stop, sigterm_received
 from trellis.utils.timing import marked_timer
 from trellis.utils.watchdog import StageWatchdog, arm_main_thread_wake, disarm_main_thread_wake
 
@@ -126,6 +127,7 @@ class Trainer:
         )
         """Every stage's deadline (``trainer.stage_timeout_s`` / ``stage_timeouts``): :meth:`_on_stall`."""
         self._stall: Any = None  # the StageTimeoutError of a stage past its deadline
+        self._terminated = False  # a SIGTERM stopped fit() (trellis.utils.termination)
         run_dir = config.trainer.run_dir
         self.profiler = StageProfiler(
             config.trainer.profile, run_dir if fs.is_non_local(run_dir) else self.run_dir
@@ -371,6 +373,10 @@ class Trainer:
         hooks.trellis_train_start(config=cfg, run_dir=self.run_dir)
         last_metrics: dict[str, float] = {}
         arm_main_thread_wake()  # a stage past its deadline is interrupted even where SIGINT is ignored
+        # SIGTERM (preemption, kill) stops the run through the finally below; armed once the workers are
+        # built, so it also replaces the handler ray.init installed in this process
+        sigterm_armed = arm_sigterm_stop()
+        finished = self.step  # the last step whose metrics were logged (a resumed run's first)
         try:
             batches = self._batches()
             self._start_overlap(batches)
@@ -397,6 +403,7 @@ class Trainer:
                 hooks.trellis_step_end(step=self.step, metrics=metrics)
                 result.history.append(metrics)
                 last_metrics = metrics
+                finished = self.step
                 if cfg.trainer.save_freq > 0 and (
                     self.step % cfg.trainer.save_freq == 0 or self.step == self.total_steps
                 ):
@@ -413,10 +420,15 @@ class Trainer:
         finally:
             self.watchdog.close()
             disarm_main_thread_wake()
+            self._terminated = sigterm_armed and sigterm_received()
+            if sigterm_armed:
+                disarm_sigterm_stop()
             result.steps = self.step
             for tracker in getattr(self, "trackers", []):
                 tracker.finish()
             hooks.trellis_train_end(step=self.step, metrics=last_metrics, run_dir=self.run_dir)
+            if self._terminated:
+                self._shutdown_after_sigterm(result, finished)
             self._shutdown()
         result.best_checkpoint = self._best_checkpoint(result)
         result.reward_curve = self._plot(result)
@@ -1057,6 +1069,29 @@ class Trainer:
             ray.init(include_dashboard=False, log_to_driver=False)
             self._own_ray = True
 
+    def _shutdown_after_sigterm(self, result: TrainResult, finished: int) -> NoReturn:
+        """Shut down, say where the run stopped (``finished``: the last step whose metrics were logged)
+        and how to go on, and raise :class:`Terminated`: what reaches the caller is the stop with its exit
+        status, also where a library turned the interrupted call into an error of its own (``ray.get``
+        raises ``SystemExit(1)``)."""
+        shut = "the workers shut down"
+        try:
+            self._shutdown()
+        except BaseException as exc:  # a part that kept the SIGTERM's exception raised it again, or failed
+            logger.error("The shutdown after SIGTERM was cut short.", exc_info=exc)
+            shut = f"the shutdown was cut short ({type(exc).__name__}), so a process it started may be left"
+        where = f"in step {self.step}" if finished < self.step else f"after step {finished}"
+        resume = (
+            f"the last checkpoint is {result.last_checkpoint}; trainer.resume_mode=auto continues from it"
+            if result.last_checkpoint
+            else "no checkpoint was saved (trainer.save_freq), so a new run starts from step 0"
+        )
+        logger.warning(
+            f"Stopped by SIGTERM {where} ({finished} of {self.total_steps} steps finished, their metrics in "
+            f"{self.run_dir}); the trackers were finished and {shut}; {resume}."
+        )
+        raise Terminated
+
     def _shutdown(self) -> None:
         self._stop_overlap()
         judge, self.judge = getattr(self, "judge", None), None
@@ -1077,12 +1112,13 @@ class Trainer:
                 except Exception:
                     logger.exception("Could not shut the standalone %s down.", owner)
         actor_wg = getattr(self, "actor_wg", None)
-        if actor_wg is not None and self._stall is not None and self.config.trainer.executor != "local":
-            # a worker may still be stuck in the stage past its deadline, and a call would queue behind
-            # it for good (the run would leave only by STALL_GRACE_S's exit); its process is killed below
+        interrupted = "the stall" if self._stall is not None else "SIGTERM" if self._terminated else None
+        if actor_wg is not None and interrupted and self.config.trainer.executor != "local":
+            # a worker may still be inside the interrupted stage, and a call would queue behind it (for
+            # good after a stall: the run would leave only by STALL_GRACE_S's exit); it is killed below
             logger.warning(
-                "After the stall the workers are killed without releasing their rollout replicas first "
-                "(a worker may still be stuck in the stalled stage)."
+                f"After {interrupted} the workers are killed without releasing their rollout replicas first "
+                "(a worker may still be inside the interrupted stage)."
             )
         elif actor_wg is not None:  # engines of plugin replicas run processes of their own
             try:
