@@ -360,6 +360,33 @@ def test_shutdown_aborts_queued_requests(tiny_model_path, hf):
     assert [(o.token_ids, o.log_probs, o.stop_reason) for o in outs] == [([], [], "abort")] * 3
 
 
+def test_shutdown_completes_after_an_interrupt_ended_the_batch_loop(tiny_model_path, hf):
+    """SIGTERM's Terminated (or Ctrl-C's KeyboardInterrupt) raised inside a batch leaves the event loop
+    where it happened; the shutdown that follows (the trainer's, as it stops) completes instead of
+    raising it a second time and cutting the rest of the shutdown short."""
+    from trellis.utils.termination import Terminated
+
+    _, tok = hf
+    replica = HFRolloutReplica(0, RolloutConfig(seed=0), ModelConfig(path=tiny_model_path, dtype="float32"))
+    asyncio.run(replica.init("colocated"))
+    calls = []
+
+    def interrupted_forward(*args, **kwargs):
+        calls.append(1)
+        raise Terminated
+
+    replica.model.forward = interrupted_forward
+    with pytest.raises(Terminated):
+        asyncio.run(replica.generate(prompts(tok, 1)[0], SamplingParams(max_tokens=4), "r0"))
+    assert calls == [1] and replica._worker is not None and replica._worker.done()
+    asyncio.run(replica.shutdown())
+    assert replica._worker is None
+    del replica.model.forward  # the class's forward again: the replica serves a new loop's requests
+    out = asyncio.run(replica.generate(prompts(tok, 1)[0], SamplingParams(temperature=0, max_tokens=3), "r1"))
+    assert len(out.token_ids) == 3
+    asyncio.run(replica.shutdown())
+
+
 def test_hybrid_leaves_the_training_mode_of_the_shared_model(tiny_model_path, hf):
     from transformers import AutoModelForCausalLM
 

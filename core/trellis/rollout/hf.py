@@ -513,11 +513,17 @@ class HFRolloutReplica(RolloutReplica):
     async def shutdown(self) -> None:
         """Stop the batching task; requests still queued or waiting to resume resolve with
         ``stop_reason="abort"``."""
-        if self._worker is not None:
-            self._worker.cancel()
+        worker, self._worker = self._worker, None
+        if worker is not None and worker.done():
+            # ended already, perhaps by a KeyboardInterrupt or SIGTERM's Terminated raised inside a batch,
+            # which left the loop where it happened (the requests of that batch saw it): awaiting it would
+            # raise it again here and cut the rest of the shutdown (the caller's too) short
+            if not worker.cancelled():
+                worker.exception()
+        elif worker is not None:
+            worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
-            self._worker = None
+                await worker
         waiting = list(self._resume)
         self._resume.clear()
         while self._queue is not None and not self._queue.empty():
