@@ -87,6 +87,25 @@ def python():
     return run_python
 
 
+@pytest.fixture
+def tiny_train_command(tmp_path):
+    """``tiny_train_command(reward, *overrides)``: ``trellis train --preset tiny`` in this interpreter,
+    scored by ``reward`` (``path/file.py:function``), its run directory ``tmp_path/run``, without
+    validation: the run the stall and stop tests start in a process of its own."""
+
+    def command(reward: str, *overrides: str) -> list[str]:
+        return [
+            *(sys.executable, "-m", "trellis", "train", "--preset", "tiny"),
+            f"reward.function={reward}",
+            f"trainer.run_dir={tmp_path / 'run'}",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            *overrides,
+        ]
+
+    return command
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     """A folder holding the tiny tokenizer and model (built once per test session)."""

@@ -35,26 +35,17 @@ REWARD = textwrap.dedent(
 )
 
 
-def _train(tmp_path, function: str, *overrides: str):
+def _train(tmp_path, command, function: str, *overrides: str):
     (tmp_path / "reward.py").write_text(REWARD)
     ray_tmp = tempfile.mkdtemp(prefix="trs-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    cmd = [
-        sys.executable,
-        "-m",
-        "trellis",
-        "train",
-        "--preset",
-        "tiny",
+    cmd = command(
+        f"{tmp_path / 'reward.py'}:{function}",
         "trainer.executor=ray",
         "reward.placement=workers",
-        f"reward.function={tmp_path / 'reward.py'}:{function}",
         "reward.timeout_seconds=600",
-        f"trainer.run_dir={tmp_path / 'run'}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
         "trainer.total_training_steps=1",
         *overrides,
-    ]
+    )
     env = {
         **os.environ,
         "KILLED_AT": str(tmp_path / "killed_at"),
@@ -70,8 +61,8 @@ def _train(tmp_path, function: str, *overrides: str):
     return proc, time.time()
 
 
-def test_a_worker_killed_mid_step_is_reported_with_its_cause_and_log(tmp_path):
-    proc, ended = _train(tmp_path, "dies")
+def test_a_worker_killed_mid_step_is_reported_with_its_cause_and_log(tmp_path, tiny_train_command):
+    proc, ended = _train(tmp_path, tiny_train_command, "dies")
     killed = float((tmp_path / "killed_at").read_text())
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert ended - killed < 30 + 15  # reported within 30 s; the rest is shutting Ray down
@@ -80,8 +71,8 @@ def test_a_worker_killed_mid_step_is_reported_with_its_cause_and_log(tmp_path):
     assert "reward worker: about to be killed" in err  # the last lines of its log
 
 
-def test_a_worker_stuck_past_the_deadline_is_reported_with_its_stack(tmp_path):
-    proc, _ = _train(tmp_path, "hangs", "trainer.stage_timeouts={score: 5}")
+def test_a_worker_stuck_past_the_deadline_is_reported_with_its_stack(tmp_path, tiny_train_command):
+    proc, _ = _train(tmp_path, tiny_train_command, "hangs", "trainer.stage_timeouts={score: 5}")
     assert proc.returncode == 3, proc.stderr[-3000:]
     report = (tmp_path / "run" / "stall_report.txt").read_text()
     assert "Stage 'score' of step 1" in report and "== worker 0 of a RayWorkerGroup" in report

@@ -117,22 +117,9 @@ def test_the_interrupt_cuts_short_a_blocking_call_of_the_main_thread():
         signal.signal(signal.SIGINT, previous)
 
 
-def _train(tmp_path, *overrides, hang_after=0, timeout=240, ignore_sigint=False):
+def _train(tmp_path, command, *overrides, hang_after=0, timeout=240, ignore_sigint=False):
     (tmp_path / "hang.py").write_text(HANG)
-    cmd = [
-        sys.executable,
-        "-m",
-        "trellis",
-        "train",
-        "--preset",
-        "tiny",
-        f"reward.function={tmp_path / 'hang.py'}:score",
-        "reward.timeout_seconds=600",
-        f"trainer.run_dir={tmp_path / 'run'}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        *overrides,
-    ]
+    cmd = command(f"{tmp_path / 'hang.py'}:score", "reward.timeout_seconds=600", *overrides)
     env = {
         **os.environ,
         "HANG_AFTER": str(hang_after),
@@ -146,10 +133,13 @@ def _train(tmp_path, *overrides, hang_after=0, timeout=240, ignore_sigint=False)
     return proc, time.monotonic() - started
 
 
-def test_a_stalled_stage_is_reported_with_its_stacks_and_the_run_stops_with_code_3(tmp_path):
+def test_a_stalled_stage_is_reported_with_its_stacks_and_the_run_stops_with_code_3(
+    tmp_path, tiny_train_command
+):
     """The reward function hangs in step 2 (after the 32 calls of step 1); step 1's checkpoint stays."""
     proc, seconds = _train(
         tmp_path,
+        tiny_train_command,
         "trainer.total_training_steps=3",
         "trainer.save_freq=1",
         "trainer.stage_timeouts={score: 4}",
@@ -175,9 +165,13 @@ def test_a_stalled_stage_is_reported_with_its_stacks_and_the_run_stops_with_code
     verify_checkpoint(latest)
 
 
-def test_stage_timeout_s_applies_to_every_stage_and_null_turns_it_off(tmp_path):
+def test_stage_timeout_s_applies_to_every_stage_and_null_turns_it_off(tmp_path, tiny_train_command):
     proc, _ = _train(
-        tmp_path, "trainer.total_training_steps=1", "trainer.stage_timeout_s=3", ignore_sigint=True
+        tmp_path,
+        tiny_train_command,
+        "trainer.total_training_steps=1",
+        "trainer.stage_timeout_s=3",
+        ignore_sigint=True,
     )
     assert (
         proc.returncode == 3
@@ -186,7 +180,11 @@ def test_stage_timeout_s_applies_to_every_stage_and_null_turns_it_off(tmp_path):
         and "did not stop within" not in proc.stderr
     )
     ok, _ = _train(
-        tmp_path, "trainer.total_training_steps=1", "trainer.stage_timeout_s=null", hang_after=10_000
+        tmp_path,
+        tiny_train_command,
+        "trainer.total_training_steps=1",
+        "trainer.stage_timeout_s=null",
+        hang_after=10_000,
     )
     assert ok.returncode == 0, ok.stderr[-2000:]
 
