@@ -1112,7 +1112,8 @@ class Trainer:
                 except Exception:
                     logger.exception("Could not shut the standalone %s down.", owner)
         actor_wg = getattr(self, "actor_wg", None)
-        interrupted = "the stall" if self._stall is not None else "SIGTERM" if self._terminated else None
+        stalled, terminated = getattr(self, "_stall", None) is not None, getattr(self, "_terminated", False)
+        interrupted = "the stall" if stalled else "SIGTERM" if terminated else None
         if actor_wg is not None and interrupted and self.config.trainer.executor != "local":
             # a worker may still be inside the interrupted stage, and a call would queue behind it (for
             # good after a stall: the run would leave only by STALL_GRACE_S's exit); it is killed below
